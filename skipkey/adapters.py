@@ -1,0 +1,154 @@
+"""The one place that knows model architectures.
+
+An adapter turns a transformers causal LM into four operations the engine needs:
+``embed`` token ids at explicit positions, build the per-layer ``position
+inputs`` (RoPE tables), ``run_layer`` one decoder layer, and ``head`` (final
+norm + LM head). Everything else in SkipKey speaks in tensors and layer indices.
+
+The decoder layers themselves are the model's own modules: the engine calls them
+with its own cache and its own attention function (``skipkey.attention``), so
+the weights and the numerics are exactly the model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from skipkey.attention import ATTENTION_NAME, install_attention
+from skipkey.errors import InputError
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What the engine must know about one decoder layer's attention."""
+
+    sliding_window: int | None
+
+
+class ModelAdapter:
+    """Base adapter: subclasses say where the parts of one family live."""
+
+    families: tuple[str, ...] = ()
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+        install_attention(model)
+        cfg = self.config
+        self.num_layers: int = cfg.num_hidden_layers
+        self.num_heads: int = cfg.num_attention_heads
+        self.num_kv_heads: int = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layer_info = tuple(LayerInfo(self._sliding_window(i)) for i in range(self.num_layers))
+
+    # -- architecture hooks -------------------------------------------------
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.model.layers
+
+    def _sliding_window(self, idx: int) -> int | None:
+        window = getattr(self.config, "sliding_window", None)
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types is not None and layer_types[idx] != "sliding_attention":
+            return None
+        return window
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(input_ids)
+
+    def position_inputs(self, hidden: torch.Tensor, positions: torch.Tensor) -> list[dict]:
+        """Keyword arguments for each layer that depend only on the positions (RoPE tables)."""
+        cos_sin = self.model.model.rotary_emb(hidden, position_ids=positions)
+        kwargs = {"position_embeddings": cos_sin, "position_ids": positions}
+        return [kwargs] * self.num_layers
+
+    def norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.model.norm(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits for ``hidden`` (already the positions wanted), as float32 like ``generate``."""
+        return self.model.lm_head(self.norm(hidden)).float()
+
+    # -- shared -------------------------------------------------------------
+    def run_layer(self, idx: int, hidden: torch.Tensor, layer_kwargs: dict, *, cache=None,
+                  attention_mask=None, state=None) -> torch.Tensor:
+        out = self.layers[idx](hidden, attention_mask=attention_mask, cache=cache, skipkey=state, **layer_kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    @property
+    def lm_head_params(self) -> int:
+        return sum(p.numel() for p in self.model.lm_head.parameters())
+
+    def layer_params(self, idx: int) -> int:
+        return sum(p.numel() for p in self.layers[idx].parameters())
+
+
+class LlamaAdapter(ModelAdapter):
+    """Llama, Qwen2, Mistral and other Llama-shaped decoders."""
+
+    families = ("llama", "qwen2", "mistral")
+
+
+class Gemma3Adapter(ModelAdapter):
+    """Gemma 3 text models: separate RoPE tables for local (sliding) and global layers."""
+
+    families = ("gemma3_text", "gemma3")
+
+    def position_inputs(self, hidden, positions):
+        rotary = self.model.model.rotary_emb
+        tables = {t: rotary(hidden, positions, t) for t in set(self.config.layer_types)}
+        return [{"position_embeddings": tables[t], "position_ids": positions} for t in self.config.layer_types]
+
+    def head(self, hidden):
+        logits = self.model.lm_head(self.norm(hidden)).float()
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+class OPTAdapter(ModelAdapter):
+    """OPT: learned absolute positions (offset 2), optional in/out projections."""
+
+    families = ("opt",)
+
+    @property
+    def layers(self):
+        return self.model.model.decoder.layers
+
+    def embed(self, input_ids, positions):
+        dec = self.model.model.decoder
+        hidden = dec.embed_tokens(input_ids)
+        if dec.project_in is not None:
+            hidden = dec.project_in(hidden)
+        return hidden + dec.embed_positions(None, position_ids=positions.clamp(min=0))
+
+    def position_inputs(self, hidden, positions):
+        return [{"position_ids": positions}] * self.num_layers
+
+    def norm(self, hidden):
+        dec = self.model.model.decoder
+        if dec.final_layer_norm is not None:
+            hidden = dec.final_layer_norm(hidden)
+        if dec.project_out is not None:
+            hidden = dec.project_out(hidden)
+        return hidden
+
+
+ADAPTERS = (LlamaAdapter, Gemma3Adapter, OPTAdapter)
+
+
+def adapter_for(model: nn.Module) -> ModelAdapter:
+    """The adapter for ``model``'s family, or an InputError naming the supported ones."""
+    model_type = getattr(model.config, "model_type", None)
+    for cls in ADAPTERS:
+        if model_type in cls.families:
+            return cls(model)
+    supported = ", ".join(f for cls in ADAPTERS for f in cls.families)
+    raise InputError(f"model type {model_type!r} is not supported; supported types: {supported}")
+
+
+__all__ = ["ADAPTERS", "ATTENTION_NAME", "LayerInfo", "ModelAdapter", "adapter_for"]

@@ -1,0 +1,76 @@
+"""Frozen, validated request settings: the edge where bad input is refused.
+
+Every public entry point (library, CLI, app) builds these; the engine trusts
+them. Messages name the problem and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from skipkey.errors import InputError
+
+MAX_NEW_TOKENS_CAP = 2048  # documented cap: enough for every benchmark, bounded memory per request
+MAX_BATCH = 64
+
+
+def require_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    """``value`` as an int in [lo, hi], or an InputError that says so."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and (not math.isfinite(value) or value != int(value))):
+        raise InputError(f"{name} must be a whole number, got {value!r}")
+    value = int(value)
+    if value < lo or (hi is not None and value > hi):
+        allowed = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise InputError(f"{name} must be in {allowed}, got {value}")
+    return value
+
+
+def require_float(name: str, value, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """``value`` as a finite float in [lo, hi] (or (lo, hi] with ``lo_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InputError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if value < lo or value > hi or (lo_open and value == lo):
+        raise InputError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How tokens are chosen; identical for both sides of a comparison."""
+
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "max_new_tokens",
+                           require_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_CAP))
+        if not isinstance(self.do_sample, bool):
+            raise InputError(f"do_sample must be true or false, got {self.do_sample!r}")
+        object.__setattr__(self, "temperature", require_float("temperature", self.temperature, 0.0, 10.0,
+                                                              lo_open=True))
+        object.__setattr__(self, "top_k", require_int("top_k", self.top_k, 0, 100_000))
+        object.__setattr__(self, "top_p", require_float("top_p", self.top_p, 0.0, 1.0, lo_open=True))
+        object.__setattr__(self, "seed", require_int("seed", self.seed, 0, 2**63 - 1))
+
+
+def validate_prompt_ids(prompt_ids: list[list[int]], context_length: int, max_new_tokens: int) -> None:
+    """Refuse empty prompts and prompts that leave no room for the new tokens."""
+    if not prompt_ids:
+        raise InputError("no prompt given: pass at least one prompt")
+    if len(prompt_ids) > MAX_BATCH:
+        raise InputError(f"batch of {len(prompt_ids)} prompts is too large; allowed 1..{MAX_BATCH}")
+    for i, ids in enumerate(prompt_ids):
+        which = f"prompt {i + 1}" if len(prompt_ids) > 1 else "the prompt"
+        if len(ids) == 0:
+            raise InputError(f"{which} is empty: enter some text")
+        if len(ids) + max_new_tokens > context_length:
+            raise InputError(
+                f"{which} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds the model's "
+                f"context of {context_length} tokens (allowed: at most {context_length - max_new_tokens} prompt tokens)")

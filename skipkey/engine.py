@@ -1,0 +1,279 @@
+"""The decode loop: ``prefill``, ``decode_one_token``, ``generate``.
+
+The engine calls the model's decoder layers itself, with a KV cache it owns
+(``skipkey.cache``), explicit positions and per-layer masks. Two optional,
+independent methods plug in:
+
+* a SkipDecode plan decides which layers step ``t`` runs (``E(t)``, nested);
+* a KV policy decides which cached tokens each running layer keeps.
+
+``generate`` yields one ``StepEvent`` per produced token; ``skipkey.trace``
+collects them, and figures and metrics are pure functions of the trace.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from transformers import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from skipkey.adapters import ModelAdapter, adapter_for
+from skipkey.attention import StepState
+from skipkey.cache import EMPTY, KVCache
+from skipkey.config import GenerationSettings, validate_prompt_ids
+from skipkey.errors import InputError
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One produced token per row, and what it cost.
+
+    ``layers`` are the decoder layers run to produce this token: all of them for
+    token 0 (the prompt pass), ``E(t)`` for token ``t + 1``. ``kept`` (when
+    recording) holds, per layer, the original positions its cache keeps after this
+    step, as int32 ``[B, Hp, S]`` (-1 = empty slot), or None for a freed layer.
+    """
+
+    step: int
+    tokens: tuple[int, ...]
+    texts: tuple[str, ...]
+    finished: tuple[bool, ...]
+    layers: tuple[int, ...]
+    seconds: float
+    kv_bytes: int
+    cache_lengths: tuple[int, ...]
+    kept: tuple[np.ndarray | None, ...] | None = None
+    importance: tuple[float, ...] | None = None  # measured at prefill when a plan asked for it
+
+
+def get_adapter(model) -> ModelAdapter:
+    """One adapter per model object (it registers SkipKey's attention once)."""
+    adapter = getattr(model, "_skipkey_adapter", None)
+    if adapter is None:
+        adapter = adapter_for(model)
+        model._skipkey_adapter = adapter
+    return adapter
+
+
+def logits_processors(settings: GenerationSettings) -> LogitsProcessorList:
+    """transformers' own warpers, so every side of a comparison samples the same way."""
+    procs = LogitsProcessorList()
+    if settings.do_sample:
+        if settings.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(settings.temperature))
+        if settings.top_k > 0:
+            procs.append(TopKLogitsWarper(settings.top_k))
+        if settings.top_p < 1.0:
+            procs.append(TopPLogitsWarper(settings.top_p))
+    return procs
+
+
+class _Detokenizer:
+    """Incremental text per row that never emits half a multi-byte character."""
+
+    def __init__(self, tokenizer, rows: int):
+        self.tokenizer = tokenizer
+        self.ids: list[list[int]] = [[] for _ in range(rows)]
+        self.emitted = [""] * rows
+
+    def push(self, row: int, token: int) -> str:
+        self.ids[row].append(token)
+        text = self.tokenizer.decode(self.ids[row], skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(self.emitted[row]):
+            return ""
+        delta, self.emitted[row] = text[len(self.emitted[row]):], text
+        return delta
+
+
+class Engine:
+    """Runs one model with an optional SkipDecode plan and an optional KV policy."""
+
+    def __init__(self, loaded, skip=None, kv=None):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.adapter = get_adapter(loaded.model)
+        self.skip = skip
+        self.kv = kv
+        if skip is not None:
+            skip.validate(self.adapter.num_layers)
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        pad = self.model.generation_config.pad_token_id
+        self.pad_id = pad if pad is not None else (self.tokenizer.pad_token_id or 0)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- input ----------------------------------------------------------------
+    def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids.append(self.tokenizer(p, add_special_tokens=True)["input_ids"] if p.strip() else [])
+            else:
+                ids.append([int(t) for t in p])
+        validate_prompt_ids(ids, self.loaded.context_length, max_new_tokens)
+        return ids
+
+    # -- phases -----------------------------------------------------------------
+    def prefill(self, cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, state: StepState,
+                measure_importance: bool) -> tuple[torch.Tensor, list[float] | None]:
+        """Run the prompt through every layer; return last-position logits (and layer importance)."""
+        adapter = self.adapter
+        rope_pos = positions.clamp(min=0)
+        hidden = adapter.embed(input_ids, rope_pos)
+        layer_kwargs = adapter.position_inputs(hidden, rope_pos)
+        importance = [] if measure_importance else None
+        valid = positions >= 0
+        for idx in range(adapter.num_layers):
+            out = adapter.run_layer(idx, hidden, layer_kwargs[idx], cache=cache, state=state)
+            if importance is not None:
+                importance.append(layer_importance(hidden, out, valid))
+            hidden = out
+        return adapter.head(hidden[:, -1:])[:, -1], importance
+
+    def decode_one_token(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+                         layers: Sequence[int], state: StepState) -> torch.Tensor:
+        """Feed one token per row through ``layers``; a skipped layer is the identity."""
+        adapter = self.adapter
+        pos = positions[:, None]
+        hidden = adapter.embed(tokens[:, None], pos)
+        layer_kwargs = adapter.position_inputs(hidden, pos)
+        for idx in layers:
+            hidden = adapter.run_layer(idx, hidden, layer_kwargs[idx], cache=cache, state=state)
+        return adapter.head(hidden)[:, -1]
+
+    def _select(self, logits: torch.Tensor, history: torch.Tensor, processors, settings, generator):
+        if not settings.do_sample:
+            return logits.argmax(dim=-1)
+        scores = processors(history, logits)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+    # -- loop -------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts, settings: GenerationSettings | None = None, *,
+                 stop: threading.Event | None = None, record: bool = False) -> Iterator[StepEvent]:
+        """Yield one ``StepEvent`` per produced token until EOS, ``max_new_tokens`` or ``stop``."""
+        settings = settings or GenerationSettings()
+        prompt_ids = self.encode(prompts, settings.max_new_tokens)
+        device, adapter = self.device, self.adapter
+        rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+        prompt_lens = [len(p) for p in prompt_ids]
+
+        input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        positions = torch.full((rows, width), EMPTY, dtype=torch.long)
+        for r, ids in enumerate(prompt_ids):
+            input_ids[r, width - len(ids):] = torch.tensor(ids)
+            positions[r, width - len(ids):] = torch.arange(len(ids))
+        input_ids, positions = input_ids.to(device), positions.to(device)
+
+        cache = KVCache([info.sliding_window for info in adapter.layer_info])
+        kv = self.kv
+        budgets = [kv.budget_tokens(n) for n in prompt_lens] if kv is not None else None
+        generator = torch.Generator(device=device).manual_seed(settings.seed)
+        kv_generator = torch.Generator(device=device).manual_seed(kv.seed) if kv is not None else None
+        total_steps = settings.max_new_tokens
+        processors = logits_processors(settings)
+        detok = _Detokenizer(self.tokenizer, rows)
+        finished = [False] * rows
+        all_layers = tuple(range(adapter.num_layers))
+
+        def state_for(step: int, query_positions: torch.Tensor) -> StepState:
+            contribution = None
+            if kv is not None and kv.needs_scores:
+                def contribution(logits, step=step):
+                    return kv.contribution(logits, step, total_steps, kv_generator)
+            return StepState(cache=cache, query_positions=query_positions, contribution=contribution)
+
+        def finish_step(step, token_tensor, layers, started, importance=None):
+            tokens = token_tensor.tolist()
+            texts = []
+            for r in range(rows):
+                if finished[r]:
+                    tokens[r] = self.pad_id
+                    texts.append("")
+                    continue
+                texts.append(detok.push(r, tokens[r]))
+                if tokens[r] in self.eos_ids:
+                    finished[r] = True
+            kept = None
+            if record:
+                kept = tuple(None if layer.positions is None else layer.positions.to(torch.int32).cpu().numpy()
+                             for layer in cache.layers)
+            return StepEvent(step=step, tokens=tuple(tokens), texts=tuple(texts), finished=tuple(finished),
+                             layers=layers, seconds=time.perf_counter() - started, kv_bytes=cache.nbytes,
+                             cache_lengths=cache.lengths(), kept=kept,
+                             importance=tuple(importance) if importance is not None else None)
+
+        # Token 0: the prompt at full depth.
+        started = time.perf_counter()
+        cache.pending_positions, cache.pending_dense = positions, bool((positions >= 0).all())
+        plan_needs_importance = self.skip is not None and self.skip.needs_importance
+        logits, importance = self.prefill(cache, input_ids, positions, state_for(0, positions), plan_needs_importance)
+        plan = self.skip.plan(adapter.num_layers, importance) if self.skip is not None else None
+        next_pos = torch.tensor(prompt_lens, device=device)
+        self._shrink(cache, all_layers, budgets, next_pos)
+        history = input_ids
+        token = self._select(logits, history, processors, settings, generator)
+        yield finish_step(0, token, all_layers, started, importance)
+
+        for t in range(total_steps - 1):
+            if all(finished) or (stop is not None and stop.is_set()):
+                break
+            started = time.perf_counter()
+            layers = plan.layer_set(t) if plan is not None else all_layers
+            for idx in all_layers:
+                if cache.layers[idx].keys is not None and idx not in layers:
+                    cache.layers[idx].clear()  # E(t) only shrinks: this layer never runs again
+            feed = torch.where(torch.tensor(finished, device=device), self.pad_id, token)
+            cache.pending_positions, cache.pending_dense = next_pos[:, None], True
+            logits = self.decode_one_token(cache, feed, next_pos, layers, state_for(t + 1, next_pos[:, None]))
+            next_pos = next_pos + 1
+            self._shrink(cache, layers, budgets, next_pos)
+            if processors:
+                history = torch.cat([history, feed[:, None]], dim=1)
+            token = self._select(logits, history, processors, settings, generator)
+            yield finish_step(t + 1, token, layers, started)
+        cache.layers.clear()
+
+    def _shrink(self, cache: KVCache, layers: Sequence[int], budgets, next_positions: torch.Tensor):
+        """Trim sliding windows and evict to the KV budget, for the layers that just ran."""
+        for idx in layers:
+            layer = cache.layers[idx]
+            if layer.keys is None:
+                continue
+            if budgets is not None and self.kv.evicts:
+                self.kv.evict(layer, budgets, next_positions)
+            else:
+                layer.trim_to_window(next_positions)
+
+
+def layer_importance(inputs: torch.Tensor, outputs: torch.Tensor, valid: torch.Tensor) -> float:
+    """1 - cos(layer input, layer output), averaged over real tokens: how much a layer changes the stream."""
+    cos = torch.nn.functional.cosine_similarity(inputs.float(), outputs.float(), dim=-1)
+    return float(((1.0 - cos) * valid).sum() / valid.sum().clamp(min=1))
+
+
+def run(engine: Engine, prompts, settings: GenerationSettings | None = None, **kwargs):
+    """Run ``generate`` to the end and return the collected ``Trace``."""
+    from skipkey.trace import Trace
+
+    return Trace.collect(engine, prompts, settings, **kwargs)
+
+
+__all__ = ["Engine", "InputError", "StepEvent", "get_adapter", "layer_importance", "logits_processors", "run"]

@@ -1,0 +1,205 @@
+"""KV-cache policies: which past tokens each layer keeps.
+
+One small frozen dataclass per policy, holding only its hyper-parameters and a
+``priority`` (and, for scoring policies, a ``contribution``). The mechanism is
+shared and lives once in ``KVPolicy.evict``: keep the recent window, then the
+highest-priority other slots, up to the budget, per row, layer and KV head, and
+physically drop the rest (``LayerCache.gather``).
+
+Keyformer: Adnan et al., MLSys 2024, arXiv 2403.09054. H2O: Zhang et al., 2023.
+StreamingLLM: Xiao et al., 2023.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from skipkey.config import require_float, require_int
+from skipkey.errors import InputError
+
+SINK_TOKENS = 4  # StreamingLLM's attention sinks
+
+
+def parse_budget(value) -> float | int:
+    """A fraction of the prompt in (0, 1], or a whole number of tokens above 1."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise InputError(f"KV budget must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InputError(f"KV budget must be a number, got {value!r}")
+    if 0 < value <= 1:
+        return float(value)
+    if value > 1 and float(value).is_integer():
+        return int(value)
+    raise InputError(f"KV budget {value} is invalid: use a fraction of the prompt in (0, 1] (0.5 = half) "
+                     f"or a whole number of tokens above 1 (e.g. 256)")
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """Budget ``k`` per row, layer and KV head: ``round(rho * P)`` or an absolute count.
+
+    ``recent`` is the share of ``k`` reserved for the most recent tokens (``w = round(r * k)``).
+    """
+
+    budget: float | int = 0.5
+    recent: float = 0.3
+    seed: int = 0
+
+    name: ClassVar[str] = ""
+    needs_scores: ClassVar[bool] = False
+    evicts: ClassVar[bool] = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "budget", parse_budget(self.budget))
+        object.__setattr__(self, "recent", require_float("KV recent-window share", self.recent, 0.0, 1.0))
+        object.__setattr__(self, "seed", require_int("seed", self.seed, 0, 2**63 - 1))
+
+    def budget_tokens(self, prompt_len: int) -> int:
+        if isinstance(self.budget, int):
+            return self.budget
+        return max(1, round(self.budget * prompt_len))
+
+    def recent_tokens(self, budget: int) -> int:
+        return round(self.recent * budget)
+
+    def describe(self) -> str:
+        size = f"{self.budget:.0%} of prompt" if isinstance(self.budget, float) else f"{self.budget} tokens"
+        return f"{self.name} ({size}, recent {self.recent:.0%})"
+
+    def priority(self, layer) -> torch.Tensor:
+        """[B, 1 or Hkv, S]: higher is kept first (the recent window is always kept)."""
+        raise NotImplementedError
+
+    def contribution(self, logits: torch.Tensor, step: int, total_steps: int, generator) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evict(self, layer, budgets: list[int], next_positions: torch.Tensor) -> None:
+        """Keep, per row and head, the recent window plus the top-priority slots, ``budgets[row]`` in all.
+
+        Sliding-window layers first drop what their window no longer shows, so they
+        hold the smaller of their window and the budget.
+        """
+        size = len(layer)
+        window = layer.window
+        if size <= min(budgets) and (window is None or size <= window - 1):
+            return
+        rows = layer.keys.shape[0]
+        prio = self.priority(layer)
+        heads = max(prio.shape[1], layer.positions.shape[1])
+        positions = layer.positions.expand(rows, heads, size)
+        prio = prio.expand(rows, heads, size).float()
+        valid = positions >= 0
+        if window is not None:
+            valid &= positions > (next_positions[:, None, None] - window)
+        device = positions.device
+        k = torch.tensor(budgets, device=device)[:, None, None]
+        w = torch.tensor([self.recent_tokens(b) for b in budgets], device=device)[:, None, None]
+        newest_rank = valid.flip(-1).cumsum(-1).flip(-1)  # 1 = newest valid slot
+        recent = valid & (newest_rank <= w)
+        prio = torch.where(recent, math.inf, torch.where(valid, prio, -math.inf))
+        keep_count = min(size, max(budgets))
+        values, idx = prio.topk(keep_count, dim=-1)
+        ok = (torch.arange(keep_count, device=device) < k) & (values > -math.inf)
+        idx, order = idx.sort(dim=-1)  # back to position order
+        ok = ok.gather(-1, order)
+        layer.gather(idx, kept_valid=ok)
+        layer.dense = bool(ok.all())
+
+
+@dataclass(frozen=True)
+class FullPolicy(KVPolicy):
+    """No eviction: the reference every other policy is compared with."""
+
+    name: ClassVar[str] = "full"
+    evicts: ClassVar[bool] = False
+
+    def budget_tokens(self, prompt_len: int) -> int:
+        return prompt_len
+
+
+@dataclass(frozen=True)
+class WindowPolicy(KVPolicy):
+    """The last ``k`` tokens only."""
+
+    name: ClassVar[str] = "window"
+
+    def priority(self, layer):
+        return layer.positions.float()
+
+
+@dataclass(frozen=True)
+class StreamingPolicy(KVPolicy):
+    """StreamingLLM: 4 attention-sink tokens plus the most recent ``k - 4``."""
+
+    name: ClassVar[str] = "streaming"
+
+    def priority(self, layer):
+        pos = layer.positions.float()
+        return torch.where((layer.positions >= 0) & (layer.positions < SINK_TOKENS), math.inf, pos)
+
+
+@dataclass(frozen=True)
+class H2OPolicy(KVPolicy):
+    """Heavy hitters: accumulated plain attention, plus the recent window."""
+
+    name: ClassVar[str] = "h2o"
+    needs_scores: ClassVar[bool] = True
+
+    def priority(self, layer):
+        return layer.scores
+
+    def contribution(self, logits, step, total_steps, generator):
+        return torch.softmax(logits, dim=-1)
+
+
+@dataclass(frozen=True)
+class KeyformerPolicy(H2OPolicy):
+    """Keyformer: accumulated ``softmax((z + g) / tau)``, ``g ~ Gumbel(0, 1)``, plus the recent window.
+
+    ``tau`` goes linearly from ``tau_init`` to ``tau_end`` over the generation
+    (paper Sec. 3.3). The noise shapes the score only; attention stays exact.
+    ``noise=False`` leaves a temperature-scaled H2O (equal to H2O at tau = 1).
+    """
+
+    tau_init: float = 1.0
+    tau_end: float = 2.0
+    noise: bool = True
+
+    name: ClassVar[str] = "keyformer"
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "tau_init", require_float("tau_init", self.tau_init, 0.0, 100.0, lo_open=True))
+        object.__setattr__(self, "tau_end", require_float("tau_end", self.tau_end, 0.0, 100.0, lo_open=True))
+
+    def temperature(self, step: int, total_steps: int) -> float:
+        return self.tau_init + (self.tau_end - self.tau_init) * step / max(1, total_steps)
+
+    def contribution(self, logits, step, total_steps, generator):
+        if self.noise:
+            uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
+            logits = logits - torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
+        return torch.softmax(logits / self.temperature(step, total_steps), dim=-1)
+
+
+POLICIES: dict[str, type[KVPolicy]] = {
+    cls.name: cls for cls in (FullPolicy, WindowPolicy, StreamingPolicy, H2OPolicy, KeyformerPolicy)
+}
+
+
+def make_kv_policy(name: str, budget=0.5, recent: float = 0.3, *, tau_init: float = 1.0, tau_end: float = 2.0,
+                   seed: int = 0) -> KVPolicy:
+    """Build a policy by name, validating every parameter."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise InputError(f"unknown KV policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if cls is KeyformerPolicy:
+        return cls(budget=budget, recent=recent, seed=seed, tau_init=tau_init, tau_end=tau_end)
+    return cls(budget=budget, recent=recent, seed=seed)
