@@ -1,0 +1,509 @@
+"""SkipDecode: how many layers each generation step runs, and which ones.
+
+SkipDecode (Del Corro et al. 2023, arXiv 2307.02628) gives every step ``t`` one
+layer set ``E(t)``, shared by the whole batch. A *schedule* says how many layers
+run, ``b(t)``; a *policy* says which ones; a ``SkipPlan`` joins the two.
+
+Every schedule here is non-increasing in ``t`` and every policy takes a prefix of
+one fixed order of layers, so ``E(t+1)`` is a subset of ``E(t)``. That nesting is
+why no key or value is ever recomputed: when token ``t`` runs layer ``l``, every
+earlier token ran ``l`` too, so its cache at ``l`` exists.
+
+Generation steps are numbered from 0: step ``t`` feeds token ``t`` (the prompt
+pass, at full depth, made token 0) and produces token ``t + 1``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from skipkey.errors import InputError
+
+SCHEDULE_KINDS = ("linear", "power", "constant")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _require_int(
+    name: str, value: object, low: int, high: int | None = None, *, low_is: str = "", high_is: str = ""
+) -> None:
+    if _is_int(value) and low <= value and (high is None or value <= high):
+        return
+    if high is None:
+        allowed = f"an integer >= {low}{low_is}"
+    else:
+        allowed = f"an integer from {low}{low_is} to {high}{high_is}"
+    raise InputError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_warmup(warmup: object, num_layers: int | None) -> None:
+    high = None if num_layers is None else num_layers - 1
+    _require_int("warmup", warmup, 0, high, high_is=f" (fewer than the model's {num_layers} layers)")
+
+
+def _check_layer_count(name: str, value: object, warmup: int, num_layers: int | None) -> None:
+    # The warm-up layers always run, so a budget must leave room for at least one more.
+    _require_int(
+        name, value, warmup + 1, num_layers, low_is=" (warmup + 1)", high_is=" (the model's layers)"
+    )
+
+
+def _check_decay(schedule: LinearSchedule | PowerLawSchedule, num_layers: int | None) -> None:
+    """The paper's 1 <= b_min <= b_max <= L, with b_min above the warm-up."""
+    _check_warmup(schedule.warmup, num_layers)
+    _check_layer_count("b_max", schedule.b_max, schedule.warmup, num_layers)
+    _require_int(
+        "b_min", schedule.b_min, schedule.warmup + 1, schedule.b_max,
+        low_is=" (warmup + 1)", high_is=" (b_max)",
+    )
+    _require_int("horizon", schedule.horizon, 0, low_is=" (steps; 0 starts at b_min)")
+
+
+def _check_constant(schedule: ConstantSchedule, num_layers: int | None) -> None:
+    _check_warmup(schedule.warmup, num_layers)
+    _check_layer_count("layers", schedule.layers, schedule.warmup, num_layers)
+
+
+def _check_step(t: object) -> None:
+    _require_int("generation step t", t, 0)
+
+
+def _progress(t: int, horizon: int) -> float:
+    """min(1, t / T): how far the decay has gone. T = 0 means it is already over."""
+    _check_step(t)
+    return 1.0 if horizon == 0 else min(1.0, t / horizon)
+
+
+def _round_half_up(x: float) -> int:
+    # Python's round() goes half to even, which would make equal steps of a decay uneven.
+    return math.floor(x + 0.5)
+
+
+@dataclass(frozen=True)
+class LinearSchedule:
+    """The paper's schedule: ``b(t) = round(b_max - (b_max - b_min) * min(1, t / T))``.
+
+    ``T`` is ``horizon``, the number of steps the decay takes (the paper set it from
+    a length statistic of the data). ``horizon = 0`` means the decay is already
+    over: ``b(t) = b_min`` from the first step. Halves round up.
+    """
+
+    b_max: int
+    b_min: int
+    horizon: int
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        _check_decay(self, None)
+
+    def validate(self, num_layers: int) -> None:
+        _check_decay(self, num_layers)
+
+    def budget(self, t: int) -> int:
+        return _round_half_up(self.b_max - (self.b_max - self.b_min) * _progress(t, self.horizon))
+
+    def describe(self) -> str:
+        return (
+            f"linear: {self.b_max} -> {self.b_min} layers over {self.horizon} steps, "
+            f"warm-up {self.warmup}"
+        )
+
+
+@dataclass(frozen=True)
+class PowerLawSchedule:
+    """The power-law variant the paper mentions trying.
+
+    ``b(t) = round(b_min + (b_max - b_min) * (1 - min(1, t / T)) ** exponent)``.
+    ``exponent = 1`` is the linear schedule; above 1 the budget falls fast at first
+    and then levels off towards ``b_min``; below 1 it stays high longer and drops
+    late. ``horizon = 0`` means ``b(t) = b_min`` from the first step. Halves round up.
+    """
+
+    b_max: int
+    b_min: int
+    horizon: int
+    exponent: float = 2.0
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        _check_decay(self, None)
+        exponent = self.exponent
+        if not (
+            isinstance(exponent, numbers.Real) and not isinstance(exponent, bool)
+            and math.isfinite(exponent) and exponent > 0
+        ):
+            raise InputError(f"exponent must be a finite number > 0, got {exponent!r}")
+
+    def validate(self, num_layers: int) -> None:
+        _check_decay(self, num_layers)
+
+    def budget(self, t: int) -> int:
+        remaining = (1.0 - _progress(t, self.horizon)) ** self.exponent
+        return _round_half_up(self.b_min + (self.b_max - self.b_min) * remaining)
+
+    def describe(self) -> str:
+        return (
+            f"power law (exponent {self.exponent:g}): {self.b_max} -> {self.b_min} layers "
+            f"over {self.horizon} steps, warm-up {self.warmup}"
+        )
+
+
+@dataclass(frozen=True)
+class ConstantSchedule:
+    """The same number of layers at every step: ``b(t) = layers``."""
+
+    layers: int
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        _check_constant(self, None)
+
+    @property
+    def b_max(self) -> int:
+        return self.layers
+
+    @property
+    def b_min(self) -> int:
+        return self.layers
+
+    def validate(self, num_layers: int) -> None:
+        _check_constant(self, num_layers)
+
+    def budget(self, t: int) -> int:
+        _check_step(t)
+        return self.layers
+
+    def describe(self) -> str:
+        return f"constant: {self.layers} layers, warm-up {self.warmup}"
+
+
+Schedule = LinearSchedule | PowerLawSchedule | ConstantSchedule
+
+
+def _check_budget(policy: TopLayers | ImportanceLayers, budget: int) -> None:
+    low, high = policy.budget_range
+    _require_int(f"layer budget for {policy.describe()}", budget, low, high)
+
+
+@dataclass(frozen=True)
+class TopLayers:
+    """The paper's policy: skip lower and middle layers, keep the top ones.
+
+    ``E = {0..w-1} ∪ {L-(b-w) .. L-1}``: ``w`` bottom warm-up layers always run
+    (``w = 1`` is our choice), then the top ``b - w``.
+    """
+
+    num_layers: int
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        _require_int("num_layers", self.num_layers, 1)
+        _check_warmup(self.warmup, self.num_layers)
+
+    @property
+    def budget_range(self) -> tuple[int, int]:
+        return self.warmup + 1, self.num_layers
+
+    def layers(self, budget: int) -> tuple[int, ...]:
+        _check_budget(self, budget)
+        first_top = self.num_layers - (budget - self.warmup)
+        return (*range(self.warmup), *range(first_top, self.num_layers))
+
+    def describe(self) -> str:
+        return f"top layers with warm-up {self.warmup} of {self.num_layers}"
+
+
+@dataclass(frozen=True)
+class ImportanceLayers:
+    """Training-free variant: drop the least important layers first.
+
+    Not the paper's policy (it fine-tunes the model with ``TopLayers``). Off-the-shelf
+    weights degrade far less when the dropped layers are those that change the
+    hidden state least (``layer_importance``), with the first and last pinned.
+    ``pinned`` layers always run; ``ranking`` lists every other layer, most
+    important first, and a budget ``b`` runs its first ``b - len(pinned)``. Any
+    fixed ranking keeps ``E(t)`` nested, so the cache invariant holds.
+    """
+
+    ranking: tuple[int, ...]
+    pinned: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranking", tuple(self.ranking))
+        object.__setattr__(self, "pinned", tuple(self.pinned))
+        every = (*self.pinned, *self.ranking)
+        if not every or not all(map(_is_int, every)) or sorted(every) != list(range(len(every))):
+            raise InputError(
+                f"pinned {self.pinned} and ranking {self.ranking} must together name every "
+                f"layer 0 to {len(every) - 1} exactly once"
+            )
+
+    @classmethod
+    def from_scores(
+        cls, scores: Sequence[float], pinned: Sequence[int] | None = None
+    ) -> ImportanceLayers:
+        """Rank layers by ``scores[l]`` (higher = more important; ties: lower layer first).
+
+        ``pinned`` defaults to the first and last layer.
+        """
+        num_layers = len(scores)
+        _require_int("number of layer scores", num_layers, 1)
+        values = [float(s) for s in scores]
+        if not all(map(math.isfinite, values)):
+            raise InputError(f"layer scores must be finite numbers, got {values}")
+        if pinned is None:
+            pinned = (0, num_layers - 1)
+        for layer in pinned:
+            _require_int("pinned layer", layer, 0, num_layers - 1)
+        kept = tuple(sorted(set(pinned)))
+        ranking = sorted(
+            (layer for layer in range(num_layers) if layer not in kept),
+            key=lambda layer: (-values[layer], layer),
+        )
+        return cls(ranking=tuple(ranking), pinned=kept)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.ranking) + len(self.pinned)
+
+    @property
+    def budget_range(self) -> tuple[int, int]:
+        return max(1, len(self.pinned)), self.num_layers
+
+    def layers(self, budget: int) -> tuple[int, ...]:
+        _check_budget(self, budget)
+        return tuple(sorted((*self.pinned, *self.ranking[: budget - len(self.pinned)])))
+
+    def describe(self) -> str:
+        return f"importance-ranked layers, pinned {self.pinned}, of {self.num_layers}"
+
+
+LayerPolicy = TopLayers | ImportanceLayers
+
+
+def layer_importance(
+    inputs: torch.Tensor, outputs: torch.Tensor, mask: torch.Tensor | None = None
+) -> float:
+    """Mean over tokens of ``1 - cos(layer input, layer output)`` for one layer.
+
+    ``inputs`` and ``outputs`` are the hidden states ``[B, S, H]`` before and after
+    the layer; ``mask`` ``[B, S]`` is nonzero for the tokens to count (e.g. the
+    attention mask, to leave out padding). Near 0, the layer is close to the
+    identity that skipping it puts in its place.
+    """
+    if inputs.dim() != 3 or inputs.shape != outputs.shape:
+        raise InputError(
+            f"inputs and outputs must both be [batch, seq, hidden], got "
+            f"{tuple(inputs.shape)} and {tuple(outputs.shape)}"
+        )
+    change = 1.0 - F.cosine_similarity(inputs.float(), outputs.float(), dim=-1)
+    if mask is None:
+        return change.mean().item()
+    if mask.shape != change.shape:
+        raise InputError(
+            f"mask must be [batch, seq] = {tuple(change.shape)}, got {tuple(mask.shape)}"
+        )
+    counted = mask.bool()
+    if not counted.any():
+        raise InputError("mask selects no tokens; at least one is needed")
+    return change[counted].mean().item()
+
+
+def _executed(layer_sets: Sequence[Sequence[int]]) -> int:
+    if len(layer_sets) == 0:
+        raise InputError("need at least one generation step to compute a speedup")
+    executed = sum(len(layers) for layers in layer_sets)
+    if executed == 0:
+        raise InputError("no layer ran in any step; every step runs at least one layer")
+    return executed
+
+
+def nominal_speedup(layer_sets: Sequence[Sequence[int]], num_layers: int) -> float:
+    """Speedup of the layer stack alone: ``L * N / sum_t |E(t)|``."""
+    return num_layers * len(layer_sets) / _executed(layer_sets)
+
+
+def compute_ratio(
+    layer_sets: Sequence[Sequence[int]], num_layers: int, layer_cost: float, fixed_cost: float
+) -> float:
+    """End-to-end compute ratio, full model over skipping, per generated token.
+
+    ``fixed_cost`` is what runs at every step whatever is skipped (embedding, final
+    norm, LM head), in the same unit as ``layer_cost`` (e.g. FLOPs or parameters
+    read). It is why the real ratio sits below the nominal speedup.
+    """
+    if not (layer_cost > 0 and fixed_cost >= 0):
+        raise InputError(
+            f"layer_cost must be > 0 and fixed_cost >= 0, got {layer_cost!r} and {fixed_cost!r}"
+        )
+    n_steps = len(layer_sets)
+    skipping = _executed(layer_sets) * layer_cost + n_steps * fixed_cost
+    return n_steps * (num_layers * layer_cost + fixed_cost) / skipping
+
+
+@dataclass(frozen=True)
+class SkipPlan:
+    """A schedule and a policy for one model: ``E(t) = policy.layers(schedule.budget(t))``."""
+
+    schedule: Schedule
+    policy: LayerPolicy
+    num_layers: int
+    _by_budget: dict[int, tuple[int, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _require_int("num_layers", self.num_layers, 1)
+        self.schedule.validate(self.num_layers)
+        if self.policy.num_layers != self.num_layers:
+            raise InputError(
+                f"the layer policy is for {self.policy.num_layers} layers, "
+                f"the model has {self.num_layers}"
+            )
+        low, high = self.policy.budget_range
+        if not low <= self.schedule.b_min <= self.schedule.b_max <= high:
+            raise InputError(
+                f"{self.policy.describe()} runs {low} to {high} layers a step, "
+                f"but the schedule ({self.schedule.describe()}) asks for "
+                f"{self.schedule.b_min} to {self.schedule.b_max}"
+            )
+        if isinstance(self.policy, TopLayers) and self.policy.warmup != self.schedule.warmup:
+            raise InputError(
+                f"the schedule's warm-up ({self.schedule.warmup}) and the policy's "
+                f"({self.policy.warmup}) must be the same"
+            )
+
+    def layer_set(self, t: int) -> tuple[int, ...]:
+        """``E(t)``, the layers step ``t`` runs, ascending."""
+        budget = self.schedule.budget(t)
+        layers = self._by_budget.get(budget)
+        if layers is None:
+            layers = self._by_budget[budget] = self.policy.layers(budget)
+        return layers
+
+    def layer_sets(self, n_steps: int) -> list[tuple[int, ...]]:
+        _require_int("n_steps", n_steps, 1)
+        return [self.layer_set(t) for t in range(n_steps)]
+
+    def nominal_speedup(self, n_steps: int) -> float:
+        return nominal_speedup(self.layer_sets(n_steps), self.num_layers)
+
+    def compute_ratio(self, n_steps: int, layer_cost: float, fixed_cost: float) -> float:
+        return compute_ratio(self.layer_sets(n_steps), self.num_layers, layer_cost, fixed_cost)
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in SCHEDULE_KINDS:
+        raise InputError(f"schedule kind must be one of {', '.join(SCHEDULE_KINDS)}; got {kind!r}")
+
+
+def schedule_for_target(
+    kind: str, target: float, num_layers: int, gen_len: int, warmup: int = 1, exponent: float = 2.0
+) -> Schedule:
+    """The schedule of ``kind`` whose nominal speedup is closest to ``target``.
+
+    The speedup counts decode steps ``t = 0 .. gen_len - 1``.
+
+    Prefers the paper's shape, ``b_max = L`` and ``horizon = gen_len``, searching
+    ``b_min``. Whole ``b_min`` values step the speedup coarsely, so the lowest
+    ``b_min`` that falls short of the target also tries a shorter horizon and,
+    past horizon 1, a lower ``b_max``. A constant schedule reaches only ``L / b``
+    for whole ``b``. ``SkipPlan.nominal_speedup`` tells the speedup reached.
+    """
+    _check_kind(kind)
+    _require_int("num_layers", num_layers, 1)
+    _require_int("gen_len", gen_len, 1, low_is=" (decode steps)")
+    _check_warmup(warmup, num_layers)
+    lowest = warmup + 1
+    highest = num_layers / lowest
+    in_range = (
+        isinstance(target, numbers.Real) and not isinstance(target, bool)
+        and 1 <= target <= highest * (1 + 1e-9)
+    )
+    if not in_range:
+        raise InputError(
+            f"target speedup must be from 1 to {highest:.2f} for a {num_layers}-layer model "
+            f"with warm-up {warmup} (down to {lowest} of {num_layers} layers a step), "
+            f"got {target!r}"
+        )
+
+    def speedup(schedule: Schedule) -> float:
+        # |E(t)| = b(t) under every policy, so the budgets are enough.
+        return num_layers * gen_len / sum(schedule.budget(t) for t in range(gen_len))
+
+    def closest(schedules: Sequence[Schedule]) -> Schedule:
+        return min(schedules, key=lambda schedule: abs(speedup(schedule) - target))
+
+    if kind == "constant":
+        return closest([ConstantSchedule(b, warmup=warmup) for b in range(num_layers, lowest - 1, -1)])
+
+    def decay(b_max: int, b_min: int, horizon: int) -> Schedule:
+        if kind == "linear":
+            return LinearSchedule(b_max, b_min, horizon, warmup=warmup)
+        return PowerLawSchedule(b_max, b_min, horizon, exponent=exponent, warmup=warmup)
+
+    paper = [decay(num_layers, b, gen_len) for b in range(num_layers, lowest - 1, -1)]
+    b_min = min(schedule.b_min for schedule in paper if speedup(schedule) <= target)
+    # A shorter horizon only lowers budgets, so the speedup falls as the horizon grows.
+    horizons = range(gen_len + 1)
+    first_short = bisect.bisect_left(
+        horizons, -target, key=lambda h: -speedup(decay(num_layers, b_min, h))
+    )
+    shorter = [decay(num_layers, b_min, h) for h in (first_short, first_short - 1) if h in horizons]
+    # Between horizon 1 (one full-depth step, then b_min) and horizon 0 (b_min throughout).
+    lower_start = [decay(b_max, b_min, 1) for b_max in range(num_layers - 1, b_min, -1)]
+    return closest(paper + shorter + lower_start)
+
+
+def make_schedule(
+    kind: str,
+    num_layers: int,
+    *,
+    b_max: int | None = None,
+    b_min: int | None = None,
+    horizon: int | None = None,
+    warmup: int = 1,
+    exponent: float = 2.0,
+    layers: int | None = None,
+) -> Schedule:
+    """A validated schedule from the CLI's or the app's options; ``b_max`` defaults to ``L``."""
+    _check_kind(kind)
+    _require_int("num_layers", num_layers, 1)
+    # Checked against the model first, so the messages name its range.
+    _check_warmup(warmup, num_layers)
+    if kind == "constant":
+        if (b_max, b_min, horizon) != (None, None, None):
+            raise InputError("a constant schedule takes layers, not b_max, b_min or horizon")
+        if layers is None:
+            raise InputError(
+                f"a constant schedule needs layers, an integer from {warmup + 1} to {num_layers}"
+            )
+        _check_layer_count("layers", layers, warmup, num_layers)
+        schedule: Schedule = ConstantSchedule(layers, warmup=warmup)
+    else:
+        if layers is not None:
+            raise InputError(f"a {kind} schedule takes b_max, b_min and horizon, not layers")
+        b_max = num_layers if b_max is None else b_max
+        _check_layer_count("b_max", b_max, warmup, num_layers)
+        if b_min is None:
+            raise InputError(f"a {kind} schedule needs b_min, an integer from {warmup + 1} to b_max")
+        if horizon is None:
+            raise InputError(f"a {kind} schedule needs horizon, an integer >= 0 (steps)")
+        if kind == "linear":
+            schedule = LinearSchedule(b_max, b_min, horizon, warmup=warmup)
+        else:
+            schedule = PowerLawSchedule(b_max, b_min, horizon, exponent=exponent, warmup=warmup)
+    schedule.validate(num_layers)
+    return schedule
