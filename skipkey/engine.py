@@ -32,6 +32,7 @@ from skipkey.attention import StepState
 from skipkey.cache import EMPTY, KVCache
 from skipkey.config import GenerationSettings, validate_prompt_ids
 from skipkey.errors import InputError
+from skipkey.schedules import layer_importance
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class StepEvent:
     cache_lengths: tuple[int, ...]
     kept: tuple[np.ndarray | None, ...] | None = None
     importance: tuple[float, ...] | None = None  # measured at prefill when a plan asked for it
+    prompt_lengths: tuple[int, ...] | None = None  # on the first event only
 
 
 def get_adapter(model) -> ModelAdapter:
@@ -200,7 +202,7 @@ class Engine:
                     return kv.contribution(logits, step, total_steps, kv_generator)
             return StepState(cache=cache, query_positions=query_positions, contribution=contribution)
 
-        def finish_step(step, token_tensor, layers, started, importance=None):
+        def finish_step(step, token_tensor, layers, started, importance=None, lengths=None):
             tokens = token_tensor.tolist()
             texts = []
             for r in range(rows):
@@ -218,7 +220,8 @@ class Engine:
             return StepEvent(step=step, tokens=tuple(tokens), texts=tuple(texts), finished=tuple(finished),
                              layers=layers, seconds=time.perf_counter() - started, kv_bytes=cache.nbytes,
                              cache_lengths=cache.lengths(), kept=kept,
-                             importance=tuple(importance) if importance is not None else None)
+                             importance=tuple(importance) if importance is not None else None,
+                             prompt_lengths=lengths)
 
         # Token 0: the prompt at full depth.
         started = time.perf_counter()
@@ -230,7 +233,7 @@ class Engine:
         self._shrink(cache, all_layers, budgets, next_pos)
         history = input_ids
         token = self._select(logits, history, processors, settings, generator)
-        yield finish_step(0, token, all_layers, started, importance)
+        yield finish_step(0, token, all_layers, started, importance, tuple(prompt_lens))
 
         for t in range(total_steps - 1):
             if all(finished) or (stop is not None and stop.is_set()):
@@ -263,12 +266,6 @@ class Engine:
                 layer.trim_to_window(next_positions)
 
 
-def layer_importance(inputs: torch.Tensor, outputs: torch.Tensor, valid: torch.Tensor) -> float:
-    """1 - cos(layer input, layer output), averaged over real tokens: how much a layer changes the stream."""
-    cos = torch.nn.functional.cosine_similarity(inputs.float(), outputs.float(), dim=-1)
-    return float(((1.0 - cos) * valid).sum() / valid.sum().clamp(min=1))
-
-
 def run(engine: Engine, prompts, settings: GenerationSettings | None = None, **kwargs):
     """Run ``generate`` to the end and return the collected ``Trace``."""
     from skipkey.trace import Trace
@@ -276,4 +273,4 @@ def run(engine: Engine, prompts, settings: GenerationSettings | None = None, **k
     return Trace.collect(engine, prompts, settings, **kwargs)
 
 
-__all__ = ["Engine", "InputError", "StepEvent", "get_adapter", "layer_importance", "logits_processors", "run"]
+__all__ = ["Engine", "InputError", "StepEvent", "get_adapter", "logits_processors", "run"]

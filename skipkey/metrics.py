@@ -1,0 +1,116 @@
+"""Metrics: pure functions of recorded traces (and of token lists and texts)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from skipkey.schedules import compute_ratio, nominal_speedup
+from skipkey.trace import Trace
+
+
+def percentile(values, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Timings of one trace. Decode figures exclude the prompt pass (token 0)."""
+
+    ttft_s: float
+    decode_tokens: int
+    decode_s: float
+    tokens_per_s: float  # generated tokens per second over all rows, decode steps only
+    ms_per_token_p50: float  # per decode step
+    ms_per_token_p90: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def speed(trace: Trace) -> Speed:
+    steps = [e.seconds for e in trace.decode_events]
+    decode_s = float(sum(steps))
+    tokens = len(steps) * trace.rows
+    return Speed(
+        ttft_s=trace.events[0].seconds if trace.events else float("nan"),
+        decode_tokens=tokens,
+        decode_s=decode_s,
+        tokens_per_s=tokens / decode_s if decode_s > 0 else float("nan"),
+        ms_per_token_p50=percentile(steps, 50) * 1e3,
+        ms_per_token_p90=percentile(steps, 90) * 1e3,
+    )
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Executed layers and what they save, from the decode steps' layer sets."""
+
+    mean_layers: float  # decoder layers per decode step
+    nominal_speedup: float  # L * n / sum |E(t)|: the layer stack alone
+    compute_ratio: float  # the same, counting the LM head (and embedding), which never skip
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def compute(trace: Trace) -> Compute:
+    sets = [e.layers for e in trace.decode_events]
+    if not sets:
+        return Compute(float(trace.num_layers), 1.0, 1.0)
+    L = trace.num_layers
+    return Compute(mean_layers=sum(len(s) for s in sets) / len(sets),
+                   nominal_speedup=nominal_speedup(sets, L),
+                   compute_ratio=compute_ratio(sets, L, trace.layer_cost, trace.head_cost))
+
+
+@dataclass(frozen=True)
+class Memory:
+    kv_bytes_final: int
+    kv_bytes_peak: int  # largest cache held after any step
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def memory(trace: Trace) -> Memory:
+    held = [e.kv_bytes for e in trace.events] or [0]
+    return Memory(kv_bytes_final=held[-1], kv_bytes_peak=max(held))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    matching: float  # share of positions where both outputs hold the same token
+    first_divergence: int | None  # index of the first differing token, None if identical
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def agreement(reference: list[int], candidate: list[int]) -> Agreement:
+    """Position-wise agreement; a token one side lacks counts as a mismatch."""
+    length = max(len(reference), len(candidate))
+    if length == 0:
+        return Agreement(1.0, None)
+    same = [a == b for a, b in zip(reference, candidate)]
+    first = next((i for i, s in enumerate(same) if not s), None)
+    if first is None and len(reference) != len(candidate):
+        first = len(same)
+    return Agreement(matching=sum(same) / length, first_divergence=first)
+
+
+def rouge_l(reference: str, candidate: str) -> float:
+    """ROUGE-L F-measure (``rouge-score``, the reference implementation)."""
+    from rouge_score import rouge_scorer
+
+    if not reference.strip() and not candidate.strip():
+        return 1.0
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    return float(scorer.score(reference, candidate)["rougeL"].fmeasure)
+
+
+def kv_share(trace: Trace, reference: Trace) -> float:
+    """KV bytes held at the end, as a share of the reference run's."""
+    ref = memory(reference).kv_bytes_final
+    return memory(trace).kv_bytes_final / ref if ref else float("nan")

@@ -1,0 +1,51 @@
+"""SkipDecode as the engine sees it: a schedule plus a layer-choice policy.
+
+Del Corro et al., 2023 (arXiv 2307.02628). The paper's policy, ``top``, runs
+the bottom warm-up layers and the top ``b(t) - w``; ``importance`` (training
+free) runs the layers that change the hidden state most, measured on the
+prompt's own prefill unless calibrated scores are given. Either way the sets
+nest, so no KV is ever recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from skipkey.errors import InputError
+from skipkey.schedules import ImportanceLayers, Schedule, SkipPlan, TopLayers
+
+LAYER_POLICIES = ("top", "importance")
+
+
+@dataclass(frozen=True)
+class SkipDecode:
+    schedule: Schedule
+    policy: str = "top"
+    importance: tuple[float, ...] | None = None  # calibrated per-layer scores; None = measure on the prompt
+
+    def __post_init__(self):
+        if self.policy not in LAYER_POLICIES:
+            raise InputError(f"unknown layer policy {self.policy!r}; choose one of {', '.join(LAYER_POLICIES)}")
+        if self.importance is not None:
+            object.__setattr__(self, "importance", tuple(float(x) for x in self.importance))
+
+    @property
+    def needs_importance(self) -> bool:
+        return self.policy == "importance" and self.importance is None
+
+    def validate(self, num_layers: int) -> None:
+        if self.importance is not None and len(self.importance) != num_layers:
+            raise InputError(f"importance scores are for {len(self.importance)} layers, the model has {num_layers}")
+        self.plan(num_layers, [0.0] * num_layers)
+
+    def plan(self, num_layers: int, measured: Sequence[float] | None = None) -> SkipPlan:
+        if self.policy == "top":
+            policy = TopLayers(num_layers, warmup=self.schedule.warmup)
+        else:
+            scores = self.importance if self.importance is not None else measured
+            policy = ImportanceLayers.from_scores(scores)
+        return SkipPlan(self.schedule, policy, num_layers)
+
+    def describe(self) -> str:
+        return f"SkipDecode {self.schedule.describe()}, {self.policy} layers"

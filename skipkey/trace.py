@@ -1,0 +1,76 @@
+"""A recorded run: the engine's events plus what is needed to interpret them.
+
+Figures (``skipkey.figures``) and metrics (``skipkey.metrics``) are pure
+functions of a ``Trace``; nothing downstream reaches into the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from skipkey.engine import Engine, StepEvent
+
+
+@dataclass
+class Trace:
+    """Events of one ``Engine.generate`` call, in order."""
+
+    num_layers: int
+    layer_cost: float  # parameters per decoder layer (mean): compute per token per layer
+    head_cost: float  # LM-head parameters: compute per token that never skips
+    label: str = ""
+    events: list[StepEvent] = field(default_factory=list)
+    stopped: bool = False
+
+    @classmethod
+    def for_engine(cls, engine: Engine, label: str = "") -> "Trace":
+        adapter = engine.adapter
+        layer_cost = sum(adapter.layer_params(i) for i in range(adapter.num_layers)) / adapter.num_layers
+        return cls(num_layers=adapter.num_layers, layer_cost=float(layer_cost),
+                   head_cost=float(adapter.lm_head_params), label=label)
+
+    @classmethod
+    def collect(cls, engine: Engine, prompts, settings=None, *, stop: threading.Event | None = None,
+                record: bool = False, label: str = "") -> "Trace":
+        trace = cls.for_engine(engine, label)
+        for event in engine.generate(prompts, settings, stop=stop, record=record):
+            trace.add(event)
+        trace.stopped = stop is not None and stop.is_set()
+        return trace
+
+    def add(self, event: StepEvent) -> None:
+        self.events.append(event)
+
+    # -- views ----------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        return len(self.events[0].tokens) if self.events else 0
+
+    @property
+    def prompt_lengths(self) -> tuple[int, ...]:
+        return self.events[0].prompt_lengths if self.events else ()
+
+    def tokens(self, row: int = 0) -> list[int]:
+        """Generated ids of ``row``, up to and including its EOS."""
+        out = []
+        for event in self.events:
+            out.append(event.tokens[row])
+            if event.finished[row]:
+                break
+        return out
+
+    def text(self, row: int = 0) -> str:
+        return "".join(event.texts[row] for event in self.events)
+
+    def token_texts(self, tokenizer, row: int = 0) -> list[str]:
+        return [tokenizer.decode([t]) for t in self.tokens(row)]
+
+    @property
+    def layer_sets(self) -> list[tuple[int, ...]]:
+        """Layers run to produce each token (all for token 0)."""
+        return [event.layers for event in self.events]
+
+    @property
+    def decode_events(self) -> list[StepEvent]:
+        return self.events[1:]
