@@ -33,8 +33,17 @@ class StepState:
 
     cache: object  # skipkey.cache.KVCache
     query_positions: torch.Tensor  # [B, q], EMPTY (-1) for padding
-    # (logits [..., q, S] float32 with -inf where masked, step) -> score contribution, same shape
-    contribution: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # (logits [B, Hkv, G, q, S] float32, -inf where masked; NoiseIndex) -> score contribution, same shape
+    contribution: Callable[[torch.Tensor, "NoiseIndex"], torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class NoiseIndex:
+    """Where each logit sits: enough to draw noise that does not depend on batching or slot order."""
+
+    layer: int
+    query_positions: torch.Tensor  # [B, q]
+    key_positions: torch.Tensor  # [B, Hp, S]
 
 
 def allowed_keys(positions: torch.Tensor, query_positions: torch.Tensor, window: int | None,
@@ -71,7 +80,7 @@ def _expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | N
     return mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
 
 
-def accumulate_scores(layer, query: torch.Tensor, key: torch.Tensor, scaling: float,
+def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
                       query_positions: torch.Tensor, contribution) -> None:
     """Add each query's score contribution to ``layer.scores`` [B, Hkv, S], summed over GQA groups."""
     b, hq, q, d = query.shape
@@ -89,7 +98,7 @@ def accumulate_scores(layer, query: torch.Tensor, key: torch.Tensor, scaling: fl
         slots = torch.arange(start, stop, device=query.device) if q == key.shape[2] else None
         allowed = allowed_keys(layer.positions, qpos, layer.window, slots)
         logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
-        probs = contribution(logits)
+        probs = contribution(logits, NoiseIndex(layer_idx, qpos, layer.positions))
         probs = probs * (qpos >= 0)[:, None, None, :, None]
         total += probs.sum(dim=(2, 3))
     layer.scores = layer.scores + total
@@ -105,7 +114,7 @@ def skipkey_attention(module, query, key, value, attention_mask, dropout: float 
     mask = _expand_heads(_mask_for_output(layer, skipkey.query_positions), query.shape[1])
     out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
     if skipkey.contribution is not None:
-        accumulate_scores(layer, query, key, scaling if scaling is not None else query.shape[-1] ** -0.5,
+        accumulate_scores(layer, module.layer_idx, query, key, scaling if scaling is not None else query.shape[-1] ** -0.5,
                           skipkey.query_positions, skipkey.contribution)
     return out, None
 

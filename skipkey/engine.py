@@ -188,7 +188,6 @@ class Engine:
         kv = self.kv
         budgets = [kv.budget_tokens(n) for n in prompt_lens] if kv is not None else None
         generator = torch.Generator(device=device).manual_seed(settings.seed)
-        kv_generator = torch.Generator(device=device).manual_seed(kv.seed) if kv is not None else None
         total_steps = settings.max_new_tokens
         processors = logits_processors(settings)
         detok = _Detokenizer(self.tokenizer, rows)
@@ -198,8 +197,8 @@ class Engine:
         def state_for(step: int, query_positions: torch.Tensor) -> StepState:
             contribution = None
             if kv is not None and kv.needs_scores:
-                def contribution(logits, step=step):
-                    return kv.contribution(logits, step, total_steps, kv_generator)
+                def contribution(logits, where, step=step):
+                    return kv.contribution(logits, step, total_steps, where)
             return StepState(cache=cache, query_positions=query_positions, contribution=contribution)
 
         def finish_step(step, token_tensor, layers, started, importance=None, lengths=None):

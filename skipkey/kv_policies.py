@@ -77,7 +77,8 @@ class KVPolicy:
         """[B, 1 or Hkv, S]: higher is kept first (the recent window is always kept)."""
         raise NotImplementedError
 
-    def contribution(self, logits: torch.Tensor, step: int, total_steps: int, generator) -> torch.Tensor:
+    def contribution(self, logits: torch.Tensor, step: int, total_steps: int, where) -> torch.Tensor:
+        """Score added by each query: ``logits`` [B, Hkv, G, q, S] (-inf where masked)."""
         raise NotImplementedError
 
     def evict(self, layer, budgets: list[int], next_positions: torch.Tensor) -> None:
@@ -155,7 +156,7 @@ class H2OPolicy(KVPolicy):
     def priority(self, layer):
         return layer.scores
 
-    def contribution(self, logits, step, total_steps, generator):
+    def contribution(self, logits, step, total_steps, where):
         return torch.softmax(logits, dim=-1)
 
 
@@ -182,11 +183,36 @@ class KeyformerPolicy(H2OPolicy):
     def temperature(self, step: int, total_steps: int) -> float:
         return self.tau_init + (self.tau_end - self.tau_init) * step / max(1, total_steps)
 
-    def contribution(self, logits, step, total_steps, generator):
+    def contribution(self, logits, step, total_steps, where):
         if self.noise:
-            uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
-            logits = logits - torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
+            logits = logits + gumbel_noise(self.seed, where, logits.shape)
         return torch.softmax(logits / self.temperature(step, total_steps), dim=-1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 (wrapping arithmetic): a counter-based hash."""
+    x = x ^ (x >> 30)
+    x = x * -4658895280553007687  # 0xbf58476d1ce4e5b9 as a signed int64
+    x = x ^ (x >> 27)
+    x = x * -7723592293110705685  # 0x94d049bb133111eb
+    return x ^ (x >> 31)
+
+
+def gumbel_noise(seed: int, where, shape) -> torch.Tensor:
+    """Gumbel(0, 1) noise for each (layer, KV head, query head, query position, key position).
+
+    A counter-based draw keyed by the seed: a row gets the same noise alone or in a
+    batch, whatever its padding and wherever eviction moved its slots.
+    """
+    b, hkv, groups, q, s = shape
+    device = where.query_positions.device
+    head = (torch.arange(hkv, device=device)[:, None] * groups + torch.arange(groups, device=device))
+    key = _mix(torch.tensor(seed, device=device) * 0x9E3779B1 + where.layer)
+    key = _mix(key + head[None, :, :, None, None] * 0x632BE5AB)
+    key = _mix(key + where.query_positions[:, None, None, :, None] * 0x85EBCA77)
+    key = _mix(key + where.key_positions.expand(b, hkv, s)[:, :, None, None, :])
+    uniform = (((key >> 40) & 0xFFFFFF).float() + 0.5) / float(1 << 24)
+    return -torch.log(-torch.log(uniform))
 
 
 POLICIES: dict[str, type[KVPolicy]] = {

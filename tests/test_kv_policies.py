@@ -1,0 +1,163 @@
+"""KV policies: budgets hold exactly, the methods keep what they claim, eviction is exact."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PROMPTS
+from skipkey.config import GenerationSettings
+from skipkey.engine import Engine
+from skipkey.errors import InputError
+from skipkey.kv_policies import POLICIES, KeyformerPolicy, make_kv_policy, parse_budget
+from skipkey.schedules import LinearSchedule
+from skipkey.skipdecode import SkipDecode
+from skipkey.teacher_forced import teacher_forced_logits
+from skipkey.trace import Trace
+
+LONG = PROMPTS[2] + " " + PROMPTS[0]
+EVICTING = [name for name in POLICIES if name != "full"]
+
+
+def valid_counts(kept_layer):
+    return (kept_layer >= 0).sum(-1)  # [B, Hp]
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_cache_holds_exactly_the_budget(tiny_models, name):
+    lm = tiny_models("llama")
+    policy = make_kv_policy(name, budget=0.5)
+    prompt_len = len(lm.tokenizer(LONG)["input_ids"])
+    k = policy.budget_tokens(prompt_len)
+    for event in Engine(lm, kv=policy).generate([LONG], GenerationSettings(max_new_tokens=10), record=True):
+        for kept in event.kept:
+            assert kept.shape[-1] == k
+            assert (valid_counts(kept) == k).all()
+            # Every kept position is a real token seen so far, no duplicates per head.
+            for head in kept[0]:
+                assert len(set(head.tolist())) == k and head.max() < prompt_len + event.step
+
+
+def test_sliding_layers_hold_the_smaller_of_window_and_budget(tiny_models):
+    lm = tiny_models("gemma3")  # window 8
+    engine = Engine(lm, kv=make_kv_policy("keyformer", budget=20))
+    for event in engine.generate([LONG], GenerationSettings(max_new_tokens=8), record=True):
+        for idx, kept in enumerate(event.kept):
+            window = engine.adapter.layer_info[idx].sliding_window
+            expected = min(window - 1, 20) if window else 20
+            assert (valid_counts(kept) == expected).all()
+            if window:
+                assert kept[kept >= 0].min() > event.step + event.prompt_lengths[0] - window \
+                    if event.prompt_lengths else True
+
+
+def test_h2o_equals_keyformer_without_noise(tiny_models):
+    lm = tiny_models("llama")
+    settings = GenerationSettings(max_new_tokens=16)
+    h2o = Trace.collect(Engine(lm, kv=make_kv_policy("h2o", budget=0.4)), [LONG], settings, record=True)
+    kf = KeyformerPolicy(budget=0.4, tau_init=1.0, tau_end=1.0, noise=False)
+    plain = Trace.collect(Engine(lm, kv=kf), [LONG], settings, record=True)
+    assert plain.tokens() == h2o.tokens()
+    for a, b in zip(h2o.events, plain.events):
+        for x, y in zip(a.kept, b.kept):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_streaming_keeps_sinks_and_the_most_recent(tiny_models):
+    lm = tiny_models("llama")
+    k = 12
+    for event in Engine(lm, kv=make_kv_policy("streaming", budget=k)).generate(
+            [LONG], GenerationSettings(max_new_tokens=6), record=True):
+        latest = event.prompt_lengths[0] - 1 if event.step == 0 else None
+        for kept in event.kept:
+            positions = kept[0, 0].tolist()
+            assert positions[:4] == [0, 1, 2, 3]
+            assert positions[4:] == list(range(positions[-1] - (k - 5), positions[-1] + 1))
+            if latest is not None:
+                assert positions[-1] == latest
+
+
+def test_window_keeps_the_last_k(tiny_models):
+    lm = tiny_models("opt")
+    event = next(Engine(lm, kv=make_kv_policy("window", budget=10)).generate([LONG], record=True))
+    n = event.prompt_lengths[0]
+    assert event.kept[0][0, 0].tolist() == list(range(n - 10, n))
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("family", ["llama", "gemma3", "opt"])
+def test_budget_above_final_length_is_full_mode(tiny_models, name, family):
+    lm = tiny_models(family)
+    settings = GenerationSettings(max_new_tokens=12)
+    full = Trace.collect(Engine(lm), [LONG], settings)
+    policy = make_kv_policy(name, budget=400)
+    assert Trace.collect(Engine(lm, kv=policy), [LONG], settings).tokens() == full.tokens()
+
+
+def test_seed_decides_keyformer_choice(tiny_models):
+    lm = tiny_models("llama")
+    settings = GenerationSettings(max_new_tokens=8)
+
+    def kept_sets(seed):
+        trace = Trace.collect(Engine(lm, kv=make_kv_policy("keyformer", budget=0.3, seed=seed)), [LONG],
+                              settings, record=True)
+        return [tuple(k.ravel().tolist()) for e in trace.events for k in e.kept]
+
+    assert kept_sets(0) == kept_sets(0)
+    assert any(kept_sets(0) != kept_sets(s) for s in (1, 2, 3))
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_batch_rows_evict_as_they_would_alone(tiny_models, name):
+    lm = tiny_models("gemma3")
+    policy = make_kv_policy(name, budget=0.5)
+    settings = GenerationSettings(max_new_tokens=10)
+    prompts = [LONG, PROMPTS[0], PROMPTS[2]]
+    batch = Trace.collect(Engine(lm, kv=policy), prompts, settings)
+    for row, prompt in enumerate(prompts):
+        assert batch.tokens(row) == Trace.collect(Engine(lm, kv=policy), [prompt], settings).tokens(), row
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "opt"])
+@pytest.mark.parametrize("name", ["keyformer", "streaming"])
+def test_combined_decode_equals_no_cache_reference(tiny_models, family, name):
+    lm = tiny_models(family)
+    engine = Engine(lm, skip=SkipDecode(LinearSchedule(b_max=6, b_min=3, horizon=10)),
+                    kv=make_kv_policy(name, budget=0.5))
+    prompt_ids = lm.tokenizer(LONG)["input_ids"]
+    head_out = []
+    hook = lm.model.lm_head.register_forward_hook(lambda m, a, o: head_out.append(o[0, -1].float()))
+    try:
+        trace = Trace.collect(engine, [prompt_ids], GenerationSettings(max_new_tokens=16), record=True)
+    finally:
+        hook.remove()
+    tokens = trace.tokens()
+    ids = torch.tensor([prompt_ids + tokens[:-1]])
+    kept = [e.kept for e in trace.events]
+    with torch.no_grad():
+        ref = teacher_forced_logits(engine.adapter, ids, len(prompt_ids), trace.layer_sets[1:], kept)
+        no_evict = teacher_forced_logits(engine.adapter, ids, len(prompt_ids), trace.layer_sets[1:])
+    torch.testing.assert_close(torch.stack(head_out), ref[len(prompt_ids) - 1:], rtol=1e-4, atol=1e-4)
+    assert (no_evict[-5:] - ref[-5:]).abs().max() > 1e-3  # eviction really changed the attention
+
+
+@pytest.mark.parametrize("value, parsed", [(0.5, 0.5), (1, 1.0), ("0.25", 0.25), (256, 256), ("64", 64)])
+def test_budget_parsing(value, parsed):
+    assert parse_budget(value) == parsed
+
+
+@pytest.mark.parametrize("value", [0, 1.5, -3, "abc", float("nan"), 2.5])
+def test_bad_budgets_are_refused(value):
+    with pytest.raises(InputError, match="KV budget"):
+        parse_budget(value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="lru"), "unknown KV policy"),
+    (dict(name="keyformer", recent=1.5), "recent"),
+    (dict(name="keyformer", tau_init=0), "tau_init"),
+    (dict(name="keyformer", tau_end=-1), "tau_end"),
+    (dict(name="h2o", seed=-1), "seed"),
+])
+def test_bad_policy_parameters_are_refused(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        make_kv_policy(**kwargs)
