@@ -189,13 +189,18 @@ class KeyformerPolicy(H2OPolicy):
         return torch.softmax(logits / self.temperature(step, total_steps), dim=-1)
 
 
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` copies the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """SplitMix64's finaliser on int64 (wrapping arithmetic): a counter-based hash."""
-    x = x ^ (x >> 30)
+    x = x ^ _shr(x, 30)
     x = x * -4658895280553007687  # 0xbf58476d1ce4e5b9 as a signed int64
-    x = x ^ (x >> 27)
+    x = x ^ _shr(x, 27)
     x = x * -7723592293110705685  # 0x94d049bb133111eb
-    return x ^ (x >> 31)
+    return x ^ _shr(x, 31)
 
 
 def gumbel_noise(seed: int, where, shape) -> torch.Tensor:
@@ -211,7 +216,7 @@ def gumbel_noise(seed: int, where, shape) -> torch.Tensor:
     key = _mix(key + head[None, :, :, None, None] * 0x632BE5AB)
     key = _mix(key + where.query_positions[:, None, None, :, None] * 0x85EBCA77)
     key = _mix(key + where.key_positions.expand(b, hkv, s)[:, :, None, None, :])
-    uniform = (((key >> 40) & 0xFFFFFF).float() + 0.5) / float(1 << 24)
+    uniform = (_shr(key, 40).float() + 0.5) / float(1 << 24)
     return -torch.log(-torch.log(uniform))
 
 

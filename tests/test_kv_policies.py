@@ -161,3 +161,15 @@ def test_bad_budgets_are_refused(value):
 def test_bad_policy_parameters_are_refused(kwargs, message):
     with pytest.raises(InputError, match=message):
         make_kv_policy(**kwargs)
+
+
+def test_gumbel_noise_is_gumbel_and_keyed_by_position():
+    from skipkey.attention import NoiseIndex
+    from skipkey.kv_policies import gumbel_noise
+
+    where = NoiseIndex(3, torch.arange(200)[None], torch.arange(300)[None, None])
+    g = gumbel_noise(7, where, (1, 2, 2, 200, 300))
+    assert abs(g.mean().item() - 0.5772) < 0.02 and abs(g.var().item() - np.pi ** 2 / 6) < 0.05
+    shuffled = NoiseIndex(3, torch.arange(200)[None], torch.arange(300).flip(0)[None, None])
+    torch.testing.assert_close(gumbel_noise(7, shuffled, (1, 2, 2, 200, 300)), g.flip(-1))
+    assert not torch.equal(gumbel_noise(8, where, (1, 2, 2, 200, 300)), g)
