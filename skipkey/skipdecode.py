@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from skipkey.errors import InputError
-from skipkey.schedules import ImportanceLayers, Schedule, SkipPlan, TopLayers
+from skipkey.schedules import (
+    ImportanceLayers,
+    Schedule,
+    SkipPlan,
+    TopLayers,
+    make_schedule,
+    schedule_for_target,
+)
 
 LAYER_POLICIES = ("top", "importance")
 
@@ -49,3 +56,21 @@ class SkipDecode:
 
     def describe(self) -> str:
         return f"SkipDecode {self.schedule.describe()}, {self.policy} layers"
+
+
+def make_skipdecode(num_layers: int, gen_len: int, *, target: float | None = None, kind: str = "linear",
+                    policy: str = "top", b_max: int | None = None, b_min: int | None = None,
+                    horizon: int | None = None, warmup: int = 1, exponent: float = 2.0,
+                    layers: int | None = None, importance: Sequence[float] | None = None) -> SkipDecode:
+    """The one edge where the CLI's and the app's SkipDecode options become a validated config.
+
+    Either ``target`` (a nominal speedup over ``gen_len`` steps) or explicit schedule parameters.
+    """
+    if target is not None:
+        schedule = schedule_for_target(kind, target, num_layers, gen_len, warmup=warmup, exponent=exponent)
+    else:
+        schedule = make_schedule(kind, num_layers, b_max=b_max, b_min=b_min, horizon=horizon, warmup=warmup,
+                                 exponent=exponent, layers=layers)
+    skip = SkipDecode(schedule, policy, tuple(importance) if importance is not None else None)
+    skip.validate(num_layers)
+    return skip
