@@ -47,6 +47,7 @@ class GenerationSettings:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int = 0
+    ignore_eos: bool = False  # benchmarks: always produce max_new_tokens
 
     def __post_init__(self):
         object.__setattr__(self, "max_new_tokens",

@@ -210,7 +210,7 @@ class Engine:
                     texts.append("")
                     continue
                 texts.append(detok.push(r, tokens[r]))
-                if tokens[r] in self.eos_ids:
+                if tokens[r] in self.eos_ids and not settings.ignore_eos:
                     finished[r] = True
             kept = None
             if record:

@@ -89,3 +89,40 @@ def tiny_model(family: str = "llama", *, seed: int = 0, dtype: torch.dtype = tor
     model.generation_config.eos_token_id = config.eos_token_id
     return LoadedModel(model=model, tokenizer=byte_tokenizer(), name=f"tiny-{family}",
                        device=torch.device("cpu"), dtype=dtype)
+
+
+# Random-weight models shaped like published ones, for speed benchmarks: a step's cost
+# depends on the shapes, not on the weight values.
+SHAPES = {
+    "opt-1.3b": ("opt", dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24, num_attention_heads=32,
+                             vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048)),
+    "opt-6.7b": ("opt", dict(hidden_size=4096, ffn_dim=16384, num_hidden_layers=32, num_attention_heads=32,
+                             vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=4096)),
+    # Multi-head attention with a small MLP: attention over a long cache is a real share of each step.
+    "llama-mha-350m": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+                                     num_attention_heads=16, num_key_value_heads=16, vocab_size=32000,
+                                     max_position_embeddings=16384)),
+    "llama-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                               max_position_embeddings=16384)),
+}
+
+
+def shaped_model(shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A ``LoadedModel`` with random weights in the shape of ``shape`` (see ``SHAPES``)."""
+    from skipkey.errors import InputError
+    from skipkey.loading import LoadedModel
+
+    if shape not in SHAPES:
+        raise InputError(f"unknown random model shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    family, kwargs = SHAPES[shape]
+    config_cls = {"opt": OPTConfig, "llama": LlamaConfig}[family]
+    config = config_cls(pad_token_id=0, bos_token_id=1, eos_token_id=2, **kwargs)
+    torch.manual_seed(seed)
+    device = torch.device(device)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
+    model.requires_grad_(False)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 2
+    return LoadedModel(model=model, tokenizer=byte_tokenizer(), name=f"random:{shape}", device=device, dtype=dtype)

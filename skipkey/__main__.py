@@ -1,0 +1,5 @@
+import sys
+
+from skipkey.cli import main
+
+sys.exit(main())

@@ -1,0 +1,244 @@
+"""``python -m skipkey``: generate, bench, eval (and finetune when it lands).
+
+Arguments are turned into validated configs once, here; errors print one line
+and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings
+from skipkey.errors import InputError, ModelLoadError
+from skipkey.kv_policies import POLICIES, make_kv_policy
+from skipkey.schedules import SCHEDULE_KINDS
+from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
+
+RANDOM_PREFIX = "random:"
+
+
+def load(name: str, device: str | None, dtype: str | None):
+    """The embedded model, a Hub id, a local directory, or ``random:SHAPE`` for speed benchmarks."""
+    from skipkey.loading import load_model, resolve_device, resolve_dtype
+
+    if name.startswith(RANDOM_PREFIX):
+        from skipkey.tiny import shaped_model
+
+        dev = resolve_device(device)
+        return shaped_model(name[len(RANDOM_PREFIX):], device=dev, dtype=resolve_dtype(dtype, dev))
+    return load_model(name, device=device, dtype=dtype)
+
+
+# -- shared options -------------------------------------------------------------
+def add_model_args(p: argparse.ArgumentParser):
+    p.add_argument("--model", default="embedded",
+                   help="'embedded' (Gemma 3 270M, default), a Hugging Face id, a local directory, "
+                        "or random:SHAPE (opt-1.3b, opt-6.7b, llama-mha-350m, llama-7b) for speed only")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, measured best on CPU)")
+
+
+def add_generation_args(p: argparse.ArgumentParser, default_tokens: int = 64):
+    p.add_argument("--max-new-tokens", type=int, default=default_tokens, help=f"1..{MAX_NEW_TOKENS_CAP}")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="seeds sampling and Keyformer's noise")
+
+
+def add_method_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("SkipDecode")
+    g.add_argument("--skip-target", type=float, default=None,
+                   help="target nominal speedup of the layer stack (e.g. 2.0); picks the schedule")
+    g.add_argument("--skip-schedule", choices=SCHEDULE_KINDS, default="linear")
+    g.add_argument("--skip-max", type=int, default=None, help="b_max: layers run by the first step")
+    g.add_argument("--skip-min", type=int, default=None, help="b_min: the floor")
+    g.add_argument("--skip-horizon", type=int, default=None, help="decay horizon T in steps")
+    g.add_argument("--skip-layers", type=int, default=None, help="layers per step (constant schedule)")
+    g.add_argument("--skip-warmup", type=int, default=1, help="bottom layers that always run")
+    g.add_argument("--skip-exponent", type=float, default=2.0, help="power-law exponent")
+    g.add_argument("--skip-policy", choices=LAYER_POLICIES, default="top")
+    g = p.add_argument_group("KV cache (Keyformer and baselines)")
+    g.add_argument("--kv-policy", choices=list(POLICIES), default=None)
+    g.add_argument("--kv-budget", default="0.5",
+                   help="fraction of the prompt in (0, 1], or a whole number of tokens above 1")
+    g.add_argument("--kv-recent", type=float, default=0.3, help="share of the budget kept for recent tokens")
+    g.add_argument("--tau-init", type=float, default=1.0)
+    g.add_argument("--tau-end", type=float, default=2.0)
+
+
+def settings_from(args) -> GenerationSettings:
+    return GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def skip_requested(args) -> bool:
+    return args.skip_target is not None or any(
+        v is not None for v in (args.skip_max, args.skip_min, args.skip_horizon, args.skip_layers))
+
+
+def methods_from(args, num_layers: int, max_new_tokens: int):
+    """(SkipDecode or None, KV policy or None) from the options."""
+    skip = None
+    if skip_requested(args):
+        skip = make_skipdecode(num_layers, max(1, max_new_tokens - 1), target=args.skip_target,
+                               kind=args.skip_schedule, policy=args.skip_policy, b_max=args.skip_max,
+                               b_min=args.skip_min, horizon=args.skip_horizon, warmup=args.skip_warmup,
+                               exponent=args.skip_exponent, layers=args.skip_layers)
+    kv = None
+    if args.kv_policy is not None:
+        kv = make_kv_policy(args.kv_policy, args.kv_budget, args.kv_recent, tau_init=args.tau_init,
+                            tau_end=args.tau_end, seed=args.seed)
+    return skip, kv
+
+
+def check_methods_early(args):
+    """Refuse impossible method options before spending a minute loading a model."""
+    if args.skip_target is not None and args.skip_target < 1:
+        raise InputError(f"--skip-target must be at least 1 (a speedup), got {args.skip_target}")
+    if args.kv_policy is not None:
+        make_kv_policy(args.kv_policy, args.kv_budget, args.kv_recent, tau_init=args.tau_init,
+                       tau_end=args.tau_end, seed=args.seed)
+
+
+# -- commands -------------------------------------------------------------------
+def cmd_generate(args) -> int:
+    from skipkey.engine import Engine
+    from skipkey.metrics import compute, memory, speed
+    from skipkey.trace import Trace
+
+    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
+    settings = settings_from(args)
+    check_methods_early(args)
+    loaded = load(args.model, args.device, args.dtype)
+    skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
+    engine = Engine(loaded, skip=skip, kv=kv)
+    trace = Trace.for_engine(engine)
+    record = args.json and kv is not None
+    for event in engine.generate([prompt], settings, record=record):
+        trace.add(event)
+        if not args.json:
+            print(event.texts[0], end="", flush=True)
+    if not args.json:
+        print()
+        s, c = speed(trace), compute(trace)
+        print(f"[{len(trace.tokens())} tokens, TTFT {s.ttft_s:.3f} s, {s.tokens_per_s:.1f} tok/s, "
+              f"{c.mean_layers:.1f}/{loaded.num_layers} layers per token, "
+              f"KV {memory(trace).kv_bytes_final / 2**20:.1f} MB]", file=sys.stderr)
+        return 0
+    s, c, m = speed(trace), compute(trace), memory(trace)
+    out = {
+        "model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""),
+        "skipdecode": skip.describe() if skip else None, "kv_policy": kv.describe() if kv else None,
+        "prompt_tokens": trace.prompt_lengths[0], "token_ids": trace.tokens(), "text": trace.text(),
+        "timings": s.as_dict(), "compute": c.as_dict(), "memory": m.as_dict(),
+        "layers_per_token": [list(e.layers) for e in trace.events[: len(trace.tokens())]],
+    }
+    if record:
+        out["kept_positions"] = [
+            [None if k is None else [head[head >= 0].tolist() for head in k[0]] for k in e.kept]
+            for e in trace.events[: len(trace.tokens())]]
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from skipkey.bench import format_table, run_bench, synthetic_prompt
+    from skipkey.engine import Engine
+
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    check_methods_early(args)
+    torch.manual_seed(0)
+    loaded = load(args.model, args.device, args.dtype)
+    skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
+    results = []
+    for prompt_tokens in args.prompt_tokens:
+        for batch in args.batch:
+            prompts = [synthetic_prompt(loaded.tokenizer, prompt_tokens, salt=i) for i in range(batch)]
+            variants = [("generate", None), ("full", Engine(loaded))]
+            if skip is not None or kv is not None:
+                name = " + ".join(x for x in (skip and f"skip {args.skip_policy} {args.skip_target or ''}x".strip(),
+                                              kv and kv.describe()) if x)
+                variants.append((name, Engine(loaded, skip=skip, kv=kv)))
+            if args.no_generate:
+                variants = variants[1:]
+            print(f"# {loaded.name} on {loaded.device} ({loaded.dtype}), batch {batch}, prompt {prompt_tokens}",
+                  file=sys.stderr)
+            result = run_bench(loaded, variants, prompts, settings, repeats=args.repeats, warmup=args.warmup,
+                               log=lambda msg: print(msg, file=sys.stderr))
+            result.update(model=loaded.name, device=str(loaded.device), dtype=str(loaded.dtype))
+            print(format_table(result))
+            results.append(result)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from skipkey.evaluate import main as eval_main
+
+    return eval_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m skipkey", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="stream a continuation to the terminal")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    add_model_args(p)
+    add_generation_args(p)
+    add_method_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="decode speed: generate vs engine full vs accelerated, interleaved")
+    add_model_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[128])
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--no-generate", action="store_true", help="skip the model.generate baseline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", help="write the results as JSON here")
+    add_method_args(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("eval", help="quality against the full model: agreement, ROUGE-L, perplexity, retrieval")
+    add_model_args(p)
+    p.add_argument("--suite", nargs="+", default=["kv"], choices=["kv", "skip"],
+                   help="kv: policies x budgets (retrieval, agreement, perplexity); skip: SkipDecode policies x targets")
+    p.add_argument("--prompts", type=int, default=20, help="ordinary prompts for agreement")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--retrieval-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--retrieval-samples", type=int, default=5)
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    p.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0, 5.0])
+    p.add_argument("--kv-policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", help="write results JSON here")
+    p.add_argument("--figure", help="write the accuracy-vs-budget Plotly figure (HTML or PNG) here")
+    p.set_defaults(func=cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (InputError, ModelLoadError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
