@@ -90,11 +90,18 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
         layer.scores = layer.scores.expand(b, hkv, -1).contiguous()
     keys = key.float()
     total = torch.zeros(b, hkv, key.shape[2], device=key.device, dtype=torch.float32)
+    # In a sliding-window layer only keys newer than (last position + 1 - window) survive the
+    # prompt; queries at or before that line see none of them, so their chunks are skipped.
+    survivors_from = None
+    if layer.window is not None and q > 1:
+        survivors_from = query_positions.max(dim=1).values + 1 - layer.window
     for start in range(0, q, SCORE_CHUNK):
         stop = min(q, start + SCORE_CHUNK)
+        qpos = query_positions[:, start:stop]
+        if survivors_from is not None and bool((qpos.max(dim=1).values <= survivors_from).all()):
+            continue
         qc = query[:, :, start:stop].float().reshape(b, hkv, hq // hkv, stop - start, d)
         logits = torch.einsum("bhgqd,bhsd->bhgqs", qc, keys) * scaling
-        qpos = query_positions[:, start:stop]
         slots = torch.arange(start, stop, device=query.device) if q == key.shape[2] else None
         allowed = allowed_keys(layer.positions, qpos, layer.window, slots)
         logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))

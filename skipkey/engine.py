@@ -56,6 +56,7 @@ class StepEvent:
     kept: tuple[np.ndarray | None, ...] | None = None
     importance: tuple[float, ...] | None = None  # measured at prefill when a plan asked for it
     prompt_lengths: tuple[int, ...] | None = None  # on the first event only
+    logprobs: tuple[float, ...] | None = None  # of the forced tokens, when teacher forcing
 
 
 def get_adapter(model) -> ModelAdapter:
@@ -169,9 +170,21 @@ class Engine:
     # -- loop -------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts, settings: GenerationSettings | None = None, *,
-                 stop: threading.Event | None = None, record: bool = False) -> Iterator[StepEvent]:
-        """Yield one ``StepEvent`` per produced token until EOS, ``max_new_tokens`` or ``stop``."""
+                 stop: threading.Event | None = None, record: bool = False,
+                 forced: Sequence[Sequence[int]] | None = None) -> Iterator[StepEvent]:
+        """Yield one ``StepEvent`` per produced token until EOS, ``max_new_tokens`` or ``stop``.
+
+        ``forced`` (one equal-length token list per row) teacher-forces the output
+        through the real cached decode, eviction included, and records each forced
+        token's log-probability: that is how perplexity is measured.
+        """
         settings = settings or GenerationSettings()
+        if forced is not None:
+            lengths = {len(f) for f in forced}
+            if len(forced) != (1 if isinstance(prompts, str) else len(prompts)) or len(lengths) != 1 or 0 in lengths:
+                raise InputError("forced tokens need one non-empty list per prompt, all of the same length")
+            settings = GenerationSettings(max_new_tokens=lengths.pop(), ignore_eos=True)
+            forced_ids = torch.tensor(forced, device=self.device)
         prompt_ids = self.encode(prompts, settings.max_new_tokens)
         device, adapter = self.device, self.adapter
         rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
@@ -201,7 +214,14 @@ class Engine:
                     return kv.contribution(logits, step, total_steps, where)
             return StepState(cache=cache, query_positions=query_positions, contribution=contribution)
 
-        def finish_step(step, token_tensor, layers, started, importance=None, lengths=None):
+        def choose(step, logits):
+            if forced is None:
+                return self._select(logits, history, processors, settings, generator), None
+            token = forced_ids[:, step]
+            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, token[:, None])[:, 0]
+            return token, tuple(logprobs.tolist())
+
+        def finish_step(step, token_tensor, layers, started, importance=None, lengths=None, logprobs=None):
             tokens = token_tensor.tolist()
             texts = []
             for r in range(rows):
@@ -220,7 +240,7 @@ class Engine:
                              layers=layers, seconds=time.perf_counter() - started, kv_bytes=cache.nbytes,
                              cache_lengths=cache.lengths(), kept=kept,
                              importance=tuple(importance) if importance is not None else None,
-                             prompt_lengths=lengths)
+                             prompt_lengths=lengths, logprobs=logprobs)
 
         # Token 0: the prompt at full depth.
         started = time.perf_counter()
@@ -231,8 +251,8 @@ class Engine:
         next_pos = torch.tensor(prompt_lens, device=device)
         self._shrink(cache, all_layers, budgets, next_pos)
         history = input_ids
-        token = self._select(logits, history, processors, settings, generator)
-        yield finish_step(0, token, all_layers, started, importance, tuple(prompt_lens))
+        token, logprobs = choose(0, logits)
+        yield finish_step(0, token, all_layers, started, importance, tuple(prompt_lens), logprobs)
 
         for t in range(total_steps - 1):
             if all(finished) or (stop is not None and stop.is_set()):
@@ -249,8 +269,8 @@ class Engine:
             self._shrink(cache, layers, budgets, next_pos)
             if processors:
                 history = torch.cat([history, feed[:, None]], dim=1)
-            token = self._select(logits, history, processors, settings, generator)
-            yield finish_step(t + 1, token, layers, started)
+            token, logprobs = choose(t + 1, logits)
+            yield finish_step(t + 1, token, layers, started, logprobs=logprobs)
         cache.layers.clear()
 
     def _shrink(self, cache: KVCache, layers: Sequence[int], budgets, next_positions: torch.Tensor):

@@ -112,3 +112,16 @@ def test_bad_prompts_are_refused(tiny_models):
         next(engine.generate(["x" * 1100]))
     with pytest.raises(InputError, match="no prompt"):
         next(engine.generate([]))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_forced_decode_logprobs_match_a_full_forward(tiny_models, family):
+    lm = tiny_models(family)
+    prompt = lm.tokenizer(PROMPTS[2])["input_ids"]
+    continuation = lm.tokenizer(" and then the story went on for a while")["input_ids"]
+    events = list(Engine(lm).generate([prompt], forced=[continuation]))
+    assert [e.tokens[0] for e in events] == continuation
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([prompt + continuation])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(continuation)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([e.logprobs[0] for e in events]), logp, rtol=1e-4, atol=1e-4)

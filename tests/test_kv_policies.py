@@ -173,3 +173,22 @@ def test_gumbel_noise_is_gumbel_and_keyed_by_position():
     shuffled = NoiseIndex(3, torch.arange(200)[None], torch.arange(300).flip(0)[None, None])
     torch.testing.assert_close(gumbel_noise(7, shuffled, (1, 2, 2, 200, 300)), g.flip(-1))
     assert not torch.equal(gumbel_noise(8, where, (1, 2, 2, 200, 300)), g)
+
+
+@pytest.mark.parametrize("name", ["h2o", "keyformer"])
+def test_chunked_prefill_scoring_keeps_the_same_tokens(tiny_models, monkeypatch, name):
+    import skipkey.attention as attention
+
+    lm = tiny_models("gemma3")  # sliding layers skip chunks that only see dropped keys
+    settings = GenerationSettings(max_new_tokens=4)
+
+    def kept():
+        trace = Trace.collect(Engine(lm, kv=make_kv_policy(name, budget=0.5)), [LONG, PROMPTS[0]], settings,
+                              record=True)
+        return [k for e in trace.events for k in e.kept]
+
+    monkeypatch.setattr(attention, "SCORE_CHUNK", 4096)
+    whole = kept()
+    monkeypatch.setattr(attention, "SCORE_CHUNK", 16)
+    for a, b in zip(whole, kept()):
+        np.testing.assert_array_equal(a, b)

@@ -1,0 +1,142 @@
+"""The app in a real browser: Debian's chromium driven by Python playwright.
+
+Open the page, move a slider (the schedule preview redraws), Generate, wait for
+both texts and both heatmaps to exist as rendered Plotly graphs, then Stop a
+second run and save a screenshot.
+
+CI runs it on a tiny model. ``SKIPKEY_SCREENSHOT=assets/screenshot.png`` runs it
+on the embedded model instead and saves the README's screenshot there:
+
+    SKIPKEY_SCREENSHOT=assets/screenshot.png .venv/bin/python -m pytest tests/test_browser.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SCREENSHOT = os.environ.get("SKIPKEY_SCREENSHOT")  # set: embedded model, screenshot saved there
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                       reason=f"{CHROMIUM} is missing: apt-get install -y chromium to run the browser test"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models):
+    import app
+
+    if SCREENSHOT:
+        demo = app.build_demo()
+    else:
+        lm = tiny_models("gemma3")
+        demo = app.build_demo(loader=lambda name: lm, figure_every=4)
+    port = free_port()
+    app.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield demo, f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+@pytest.fixture(scope="module")
+def page():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.errors = errors
+        yield page
+        browser.close()
+
+
+def set_slider(page, elem_id: str, value: int) -> None:
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+    box.blur()
+
+
+def text_of(page, elem_id: str) -> str:
+    return page.locator(f"#{elem_id} textarea").input_value()
+
+
+def plotted(page, elem_id: str) -> bool:
+    return page.locator(f"#{elem_id} .js-plotly-plot .main-svg").count() > 0
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def test_compare_and_stop_in_chromium(served, page, tmp_path):
+    demo, url = served
+    slow = 10 if SCREENSHOT else 1  # the embedded model on a small CPU
+    page.goto(url)
+    status = page.locator("#status")
+    wait_until(lambda: "ready" in status.inner_text(), 60 * slow, "the model to load")
+
+    # 2. A slider moves and the schedule preview redraws without running the model.
+    wait_until(lambda: plotted(page, "schedule_preview"), 30, "the schedule preview")
+    b_min = 10 if SCREENSHOT else 3
+    set_slider(page, "b_min", b_min)
+    wait_until(lambda: f"-> {b_min} layers" in page.locator("#schedule_preview").text_content(), 30,
+               "the preview to follow the slider")
+    set_slider(page, "max_new_tokens", 40 if SCREENSHOT else 24)
+
+    # 3-4. Generate; both texts stream in and both heatmaps render as Plotly graphs.
+    page.locator("#generate").click()
+    wait_until(lambda: "Done" in status.inner_text(), 60 * slow, "the comparison to finish")
+    assert text_of(page, "full_text").strip() and text_of(page, "skip_text").strip()
+    for plot in ("layer_plot", "retention_plot"):
+        wait_until(lambda: plotted(page, plot), 30, f"{plot} to render")
+        assert page.locator(f"#{plot} .js-plotly-plot .heatmaplayer image, "
+                            f"#{plot} .js-plotly-plot .hm image").count() > 0, f"{plot} has no heatmap"
+    assert "layers/token" in page.locator("#skip_metrics").inner_text()
+    assert "Agreement" in page.locator("#agreement").inner_text()
+    time.sleep(1)  # let the last redraw settle before the picture
+    page.screenshot(path=SCREENSHOT or str(tmp_path / "compare.png"), full_page=True)
+    if SCREENSHOT:
+        return  # the embedded model's long second run is not needed for the picture
+
+    # 5. A second, long run: Stop ends both streams at once and frees the request.
+    set_slider(page, "max_new_tokens", 500)
+    page.locator("#generate").click()
+    wait_until(lambda: len(text_of(page, "skip_text")) > 0 and "Generating" in status.inner_text(), 30,
+               "the second run to stream")
+    page.locator("#stop").click()
+    wait_until(lambda: "Stopped" in status.inner_text(), 15, "the stop to register")
+    wait_until(lambda: len(demo.running) == 0, 15, "the server to release the stopped request")
+    settled = (text_of(page, "full_text"), text_of(page, "skip_text"))
+    time.sleep(1.5)
+    assert (text_of(page, "full_text"), text_of(page, "skip_text")) == settled, "streams went on after Stop"
+    assert "Done" not in status.inner_text()
+    # 6. A screenshot of the final page.
+    page.screenshot(path=str(tmp_path / "stopped.png"), full_page=True)
+    assert not page.errors, page.errors
