@@ -1,0 +1,301 @@
+"""Quality against the full model, on the same prompts, in the same run.
+
+* agreement: token match, first divergence and ROUGE-L against the full model's
+  greedy output on ordinary prompts;
+* perplexity: teacher-forced through the real cached decode (eviction and
+  skipping included) — of the full model's own continuations (SkipDecode), and
+  of long real text (KV policies);
+* retrieval: a pass key or a key-value fact stated early in a long filler prompt
+  and asked for at its end, scored by exact match (KV policies).
+
+Tasks are generated in code from a seed; the long text is the Python
+documentation's help topics (``pydoc_data``), which ships with Python.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from skipkey.config import GenerationSettings
+from skipkey.engine import Engine
+from skipkey.metrics import agreement, rouge_l
+from skipkey.trace import Trace
+
+ORDINARY_PROMPTS = [
+    "The history of the Roman Empire",
+    "To bake a loaf of sourdough bread, you first",
+    "The main differences between TCP and UDP are",
+    "Once upon a time, in a village by the sea, there lived",
+    "Photosynthesis is the process by which",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The best way to learn a new language is",
+    "Dear hiring manager, I am writing to apply for",
+    "In 1969, the Apollo 11 mission",
+    "The three laws of thermodynamics state that",
+    "A good night's sleep matters because",
+    "SELECT name, COUNT(*) FROM orders",
+    "The capital of Australia is Canberra, and the capital of Canada is",
+    "Climate change affects coastal cities by",
+    "Here is a recipe for a simple tomato soup:",
+    "The stock market fell sharply on Monday after",
+    "Machine learning models can overfit when",
+    "My favourite memory from childhood is",
+    "The following is a summary of the meeting:",
+    "Water boils at 100 degrees Celsius at sea level, but on a mountain",
+    "The rules of chess say that a bishop",
+    "An email to a colleague about the project deadline:",
+    "The French Revolution began in 1789 when",
+    "How to change a flat tyre: first,",
+]
+
+FILLER = [
+    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
+    "The river runs past the old mill.", "A cat sleeps on the warm wall.", "The market opens at dawn.",
+    "Clouds drift over the quiet hills.", "The baker lights the oven early.",
+]
+NAMES = ["Elena Marsh", "Tomas Reyes", "Aiko Tanaka", "Brigid Doyle", "Samir Haddad", "Ingrid Olsen",
+         "Kwame Mensah", "Lucia Ferri", "Oskar Lind", "Priya Nair"]
+WORDS = ["Bluefin", "Saffron", "Granite", "Marigold", "Falcon", "Juniper", "Cobalt", "Lantern", "Orchid", "Thistle"]
+
+
+@dataclass(frozen=True)
+class RetrievalTask:
+    prompt: str
+    answer: str
+    kind: str
+
+
+def _filler(rng: random.Random, tokenizer, tokens: int) -> str:
+    parts, count = [], 0
+    while count < tokens:
+        sentence = rng.choice(FILLER)
+        parts.append(sentence)
+        count += len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+    return " ".join(parts)
+
+
+def retrieval_tasks(tokenizer, length: int, samples: int, seed: int = 0) -> list[RetrievalTask]:
+    """Pass-key and key-value tasks of about ``length`` prompt tokens, the fact near the start."""
+    rng = random.Random(seed * 100003 + length)
+    tasks = []
+    for i in range(samples):
+        lead = _filler(rng, tokenizer, int(length * 0.05))
+        if i % 2 == 0:
+            key = str(rng.randint(10000, 99999))
+            head = (f"There is a pass key hidden in this text. Remember it.\n{lead}\n"
+                    f"The pass key is {key}. Remember it. {key} is the pass key.\n")
+            tail = "\nWhat is the pass key? The pass key is"
+            kind, answer = "passkey", key
+        else:
+            name, word = rng.choice(NAMES), rng.choice(WORDS)
+            head = f"Ship records.\n{lead}\nThe code name of the ship of {name} is {word}.\n"
+            tail = f"\nQuestion: what is the code name of the ship of {name}? Answer: The code name is"
+            kind, answer = "fact", word
+        used = len(tokenizer(head + tail)["input_ids"])
+        tasks.append(RetrievalTask(head + _filler(rng, tokenizer, max(0, length - used)) + tail, answer, kind))
+    return tasks
+
+
+def retrieved(text: str, answer: str) -> bool:
+    """Exact match of the first word the model produces."""
+    words = re.findall(r"[A-Za-z0-9]+", text)
+    return bool(words) and words[0] == answer
+
+
+def long_text_ids(tokenizer, tokens: int) -> list[int]:
+    """Real English prose: Python's help topics, concatenated (ships with Python)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return tokenizer(text, add_special_tokens=True)["input_ids"][:tokens]
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    label: str
+    skip: object = None
+    kv: object = None
+    policy: str = "full"
+    budget: float | None = None
+    target: float | None = None
+
+
+def _generate(loaded, config: EvalConfig, prompts, settings, **kwargs) -> Trace:
+    return Trace.collect(Engine(loaded, skip=config.skip, kv=config.kv), prompts, settings, **kwargs)
+
+
+def perplexity(loaded, config: EvalConfig, prompts, continuations) -> float:
+    """exp(mean NLL) of ``continuations`` teacher-forced through the cached decode."""
+    engine = Engine(loaded, skip=config.skip, kv=config.kv)
+    nll, count = 0.0, 0
+    for event in engine.generate(prompts, forced=continuations):
+        nll -= sum(event.logprobs)
+        count += len(event.logprobs)
+    return math.exp(nll / count)
+
+
+def quality(loaded, configs: list[EvalConfig], prompts: list[str], max_new_tokens: int, log) -> list[dict]:
+    """Agreement, ROUGE-L and perplexity of the full model's continuations, per config."""
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, ignore_eos=True)
+    full = _generate(loaded, EvalConfig("full"), prompts, settings)
+    refs = [full.tokens(r) for r in range(len(prompts))]
+    rows = []
+    for config in configs:
+        started = time.perf_counter()
+        trace = full if config.skip is None and config.kv is None else _generate(loaded, config, prompts, settings)
+        agree = [agreement(refs[r], trace.tokens(r)) for r in range(len(prompts))]
+        divergences = [a.first_divergence if a.first_divergence is not None else max_new_tokens for a in agree]
+        rouge = [rouge_l(full.text(r), trace.text(r)) for r in range(len(prompts))]
+        ppl = perplexity(loaded, config, prompts, refs)
+        rows.append(dict(label=config.label, policy=config.policy, target=config.target, budget=config.budget,
+                         token_agreement=sum(a.matching for a in agree) / len(agree),
+                         first_divergence_median=sorted(divergences)[len(divergences) // 2],
+                         rouge_l=sum(rouge) / len(rouge), ppl_of_full_continuations=ppl))
+        log(f"  {config.label}: agreement {rows[-1]['token_agreement']:.3f}, ROUGE-L {rows[-1]['rouge_l']:.3f}, "
+            f"PPL {ppl:.2f} ({time.perf_counter() - started:.0f} s)")
+    return rows
+
+
+def retrieval(loaded, configs: list[EvalConfig], lengths: list[int], samples: int, seed: int, log) -> list[dict]:
+    settings = GenerationSettings(max_new_tokens=6)
+    rows = []
+    for length in lengths:
+        tasks = retrieval_tasks(loaded.tokenizer, length, samples, seed)
+        for config in configs:
+            trace = _generate(loaded, config, [t.prompt for t in tasks], settings)
+            hits = [retrieved(trace.text(r), t.answer) for r, t in enumerate(tasks)]
+            rows.append(dict(label=config.label, policy=config.policy, budget=config.budget, length=length,
+                             accuracy=sum(hits) / len(hits), samples=len(hits)))
+            log(f"  retrieval {length}: {config.label}: {sum(hits)}/{len(hits)}")
+    return rows
+
+
+def long_text_perplexity(loaded, configs: list[EvalConfig], prompt_tokens: int, continuation: int, log):
+    ids = long_text_ids(loaded.tokenizer, prompt_tokens + continuation)
+    prompt, cont = ids[:prompt_tokens], ids[prompt_tokens:]
+    rows = []
+    for config in configs:
+        ppl = perplexity(loaded, config, [prompt], [cont])
+        rows.append(dict(label=config.label, policy=config.policy, budget=config.budget, ppl=ppl,
+                         prompt_tokens=len(prompt), continuation_tokens=len(cont)))
+        log(f"  long-text PPL: {config.label}: {ppl:.2f}")
+    return rows
+
+
+def kv_configs(num_layers: int, policies: list[str], budgets: list[float], seed: int, max_new_tokens: int):
+    from skipkey.kv_policies import make_kv_policy
+    from skipkey.skipdecode import make_skipdecode
+
+    configs = [EvalConfig("full")]
+    for budget in budgets:
+        for name in policies:
+            if name == "full":
+                continue
+            configs.append(EvalConfig(f"{name} {budget:.0%}", kv=make_kv_policy(name, budget, seed=seed),
+                                      policy=name, budget=budget))
+    skip = make_skipdecode(num_layers, max(1, max_new_tokens - 1), target=2.0)
+    configs.append(EvalConfig("keyformer 50% + skip 2x", skip=skip, kv=make_kv_policy("keyformer", 0.5, seed=seed),
+                              policy="keyformer+skip", budget=0.5, target=2.0))
+    return configs
+
+
+def skip_configs(num_layers: int, targets: list[float], max_new_tokens: int):
+    from skipkey.skipdecode import make_skipdecode
+
+    configs = [EvalConfig("full")]
+    for policy in ("top", "importance"):
+        for target in targets:
+            skip = make_skipdecode(num_layers, max(1, max_new_tokens - 1), target=target, policy=policy)
+            configs.append(EvalConfig(f"{policy} {target}x", skip=skip, policy=policy, target=target))
+    return configs
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    def cell(v):
+        return f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def accuracy_figure(rows: list[dict]):
+    """Retrieval accuracy against KV budget, one line per policy, averaged over prompt lengths."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    policies = sorted({r["policy"] for r in rows if r["budget"] is not None})
+    full = [r["accuracy"] for r in rows if r["policy"] == "full"]
+    for policy in policies:
+        budgets = sorted({r["budget"] for r in rows if r["policy"] == policy})
+        acc = [sum(r["accuracy"] for r in rows if r["policy"] == policy and r["budget"] == b) /
+               max(1, sum(1 for r in rows if r["policy"] == policy and r["budget"] == b)) for b in budgets]
+        mode = "markers" if len(budgets) == 1 else "lines+markers"
+        fig.add_trace(go.Scatter(x=[b * 100 for b in budgets], y=acc, mode=mode, name=policy))
+    if full:
+        fig.add_hline(y=sum(full) / len(full), line_dash="dash", annotation_text="full model")
+    fig.update_layout(title="Retrieval accuracy vs KV budget (mean over prompt lengths)",
+                      xaxis_title="KV budget (% of prompt)", yaxis_title="exact-match accuracy",
+                      yaxis_range=[-0.05, 1.05], template="plotly_white", width=760, height=440)
+    return fig
+
+
+def save_figure(fig, path: str) -> None:
+    """HTML as is; PNG through Debian's chromium (no kaleido download)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    html = out.with_suffix(".html")
+    fig.write_html(html, include_plotlyjs=True)
+    if out.suffix == ".png":
+        from playwright.sync_api import sync_playwright
+
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                        args=["--headless", "--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 780, "height": 460})
+            page.goto(html.resolve().as_uri())
+            page.wait_for_selector(".main-svg")
+            page.screenshot(path=str(out))
+            browser.close()
+
+
+def main(args) -> int:
+    from skipkey.cli import load
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    loaded = load(args.model, args.device, args.dtype)
+    prompts = (ORDINARY_PROMPTS * 2)[: args.prompts]
+    result = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype),
+              "date": time.strftime("%Y-%m-%d"), "max_new_tokens": args.max_new_tokens, "prompts": len(prompts)}
+    if "skip" in args.suite:
+        log("# SkipDecode quality")
+        configs = skip_configs(loaded.num_layers, args.targets, args.max_new_tokens)
+        result["skip"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
+        print(markdown_table(result["skip"], ["policy", "target", "token_agreement", "first_divergence_median",
+                                              "rouge_l", "ppl_of_full_continuations"]))
+    if "kv" in args.suite:
+        log("# KV policies")
+        configs = kv_configs(loaded.num_layers, args.kv_policies, args.budgets, args.seed, args.max_new_tokens)
+        result["kv_retrieval"] = retrieval(loaded, configs, args.retrieval_lengths, args.retrieval_samples,
+                                           args.seed, log)
+        result["kv_agreement"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
+        result["kv_long_text"] = long_text_perplexity(loaded, configs, 1024, 256, log)
+        print(markdown_table(result["kv_retrieval"], ["label", "length", "accuracy", "samples"]))
+        print(markdown_table(result["kv_agreement"], ["label", "token_agreement", "first_divergence_median",
+                                                      "rouge_l", "ppl_of_full_continuations"]))
+        print(markdown_table(result["kv_long_text"], ["label", "ppl"]))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=1))
+    if "kv" in args.suite and args.figure:
+        save_figure(accuracy_figure(result["kv_retrieval"]), args.figure)
+    return 0
