@@ -112,6 +112,8 @@ def cmd_generate(args) -> int:
     from skipkey.trace import Trace
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
+    if not prompt.strip():
+        raise InputError("the prompt is empty: enter some text")
     settings = settings_from(args)
     check_methods_early(args)
     loaded = load(args.model, args.device, args.dtype)

@@ -1,0 +1,94 @@
+"""``python -m skipkey``: the commands a user types, end to end on a tiny local model."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from skipkey.cli import main
+from skipkey.tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    lm = tiny_model("gemma3")
+    lm.model.save_pretrained(path)
+    lm.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_has_tokens_text_timings_layers_and_kept(capsys, model_dir):
+    code, out, _ = run_cli(capsys, "generate", "--model", model_dir, "--prompt", "Once upon a time there was",
+                           "--max-new-tokens", "12", "--device", "cpu", "--dtype", "float32", "--json",
+                           "--skip-target", "2.0", "--kv-policy", "keyformer", "--kv-budget", "0.5")
+    assert code == 0
+    result = json.loads(out)
+    assert len(result["token_ids"]) == len(result["layers_per_token"]) == len(result["kept_positions"]) >= 1
+    assert result["layers_per_token"][0] == list(range(6))
+    assert all(len(b) <= len(a) for a, b in zip(result["layers_per_token"], result["layers_per_token"][1:]))
+    assert result["timings"]["ttft_s"] > 0 and "text" in result
+    budget = max(1, round(0.5 * result["prompt_tokens"]))
+    first = result["kept_positions"][0]
+    assert all(layer is None or all(len(head) <= budget for head in layer) for layer in first)
+
+
+def test_generate_streams_text(capsys, model_dir):
+    code, out, err = run_cli(capsys, "generate", "--model", model_dir, "--prompt", "Hello", "--max-new-tokens", "5",
+                             "--device", "cpu")
+    assert code == 0 and "tokens, TTFT" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", ""], "empty"),
+    (["--prompt", "hi", "--skip-target", "0.5"], "--skip-target must be at least 1"),
+    (["--prompt", "hi", "--skip-target", "50"], "target speedup must be from 1 to"),
+    (["--prompt", "hi", "--kv-policy", "keyformer", "--kv-budget", "1.5"], "KV budget 1.5 is invalid"),
+    (["--prompt", "hi", "--kv-policy", "keyformer", "--kv-budget", "0"], "KV budget 0"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be in 1.."),
+    (["--prompt", "hi", "--device", "tpu"], "Unknown device"),
+    (["--prompt", "x" * 1100], "exceeds the model's context"),
+])
+def test_bad_input_exits_2_with_one_line(capsys, model_dir, argv, message):
+    code, _, err = run_cli(capsys, "generate", "--model", model_dir, *argv)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: ") and message in last
+
+
+def test_unknown_model_name(capsys):
+    code, _, err = run_cli(capsys, "generate", "--model", "no/such-model-anywhere", "--prompt", "hi")
+    assert code == 2 and "unreachable" in err
+
+
+def test_bench_reports_ratios_against_full_and_generate(capsys, model_dir, tmp_path):
+    out_file = tmp_path / "bench.json"
+    code, out, _ = run_cli(capsys, "bench", "--model", model_dir, "--device", "cpu", "--max-new-tokens", "6",
+                           "--prompt-tokens", "24", "--batch", "1", "2", "--repeats", "1", "--warmup", "0",
+                           "--skip-target", "2.0", "--output", str(out_file))
+    assert code == 0
+    results = json.loads(out_file.read_text())
+    assert [r["batch"] for r in results] == [1, 2]
+    for result in results:
+        names = [row["variant"] for row in result["rows"]]
+        assert names[:2] == ["generate", "full"] and len(names) == 3
+        full = result["rows"][1]
+        assert full["speedup_vs_full"] == pytest.approx(1.0)
+        assert result["rows"][2]["nominal_speedup"] > 1.2
+        assert all(row["tokens_per_s"] > 0 for row in result["rows"])
+    assert "vs full" in out
+
+
+def test_module_entry_point(model_dir):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "skipkey", "generate", "--model", model_dir, "--prompt", "Hi",
+                           "--max-new-tokens", "3", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["token_ids"]) >= 1
