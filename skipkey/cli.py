@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings
@@ -159,28 +160,57 @@ def cmd_bench(args) -> int:
     torch.manual_seed(0)
     loaded = load(args.model, args.device, args.dtype)
     skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
+    accelerated = []
+    if skip is not None or kv is not None:
+        label = " + ".join(x for x in (skip and skip.describe(), kv and kv.describe()) if x)
+        accelerated.append((label, skip, kv))
+    for target in args.compare_targets:
+        accelerated.append((f"skip {args.skip_policy} {target}x",
+                            make_skipdecode(loaded.num_layers, settings.max_new_tokens - 1, target=target,
+                                            kind=args.skip_schedule, policy=args.skip_policy), None))
+    for name in args.compare_kv:
+        policy = make_kv_policy(name, args.kv_budget, args.kv_recent, tau_init=args.tau_init, tau_end=args.tau_end,
+                                seed=args.seed)
+        accelerated.append((policy.describe(), None, policy))
     results = []
     for prompt_tokens in args.prompt_tokens:
         for batch in args.batch:
             prompts = [synthetic_prompt(loaded.tokenizer, prompt_tokens, salt=i) for i in range(batch)]
-            variants = [("generate", None), ("full", Engine(loaded))]
-            if skip is not None or kv is not None:
-                name = " + ".join(x for x in (skip and f"skip {args.skip_policy} {args.skip_target or ''}x".strip(),
-                                              kv and kv.describe()) if x)
-                variants.append((name, Engine(loaded, skip=skip, kv=kv)))
-            if args.no_generate:
-                variants = variants[1:]
+            variants = [] if args.no_generate else [("generate", None)]
+            variants.append(("full", Engine(loaded)))
+            variants += [(label, Engine(loaded, skip=s, kv=k)) for label, s, k in accelerated]
             print(f"# {loaded.name} on {loaded.device} ({loaded.dtype}), batch {batch}, prompt {prompt_tokens}",
                   file=sys.stderr)
             result = run_bench(loaded, variants, prompts, settings, repeats=args.repeats, warmup=args.warmup,
                                log=lambda msg: print(msg, file=sys.stderr))
-            result.update(model=loaded.name, device=str(loaded.device), dtype=str(loaded.dtype))
-            print(format_table(result))
+            result.update(model=loaded.name, device=str(loaded.device), dtype=str(loaded.dtype),
+                          date=time.strftime("%Y-%m-%d"), machine=machine_description(loaded.device))
+            print(format_table(result), flush=True)
             results.append(result)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(results, indent=1))
     return 0
+
+
+def machine_description(device) -> str:
+    """What the figures were measured on: the GPU's name, or the CPU model and core count."""
+    import os
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def cmd_eval(args) -> int:
@@ -213,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-generate", action="store_true", help="skip the model.generate baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write the results as JSON here")
+    p.add_argument("--compare-targets", type=float, nargs="*", default=[],
+                   help="also run SkipDecode at each of these nominal speedups (with --skip-policy)")
+    p.add_argument("--compare-kv", nargs="*", default=[], choices=list(POLICIES),
+                   help="also run each of these KV policies at --kv-budget")
     add_method_args(p)
     p.set_defaults(func=cmd_bench)
 
