@@ -1,14 +1,16 @@
-"""One teacher-forced pass over a whole sequence with a policy in place.
+"""One teacher-forced pass over whole sequences with a policy in place.
 
 Prompt positions run every layer; generated position ``P + t`` runs ``E(t)``
-and a skipped layer is the identity there. Every layer computes every position
-and its output is kept only where that position runs the layer: because the
-``E(t)`` nest, no position attends to keys or values the cached decode would
-not have. Optionally, decode queries see only the positions a KV policy kept.
+and a skipped layer is the identity there. Each layer computes every position
+up to the last one that runs it, and its output is kept only where that
+position runs the layer: because the ``E(t)`` nest, no position attends to keys
+or values the cached decode would not have, and nothing after a layer's last
+use needs its keys. Optionally, decode queries see only the positions a KV
+policy kept.
 
 This is the no-cache reference the engine's tests compare against, the forward
 that fine-tuning (SkipDecode's training) differentiates through, and how
-perplexity is measured for skipping.
+perplexity is measured for skipping. Nothing here disables autograd.
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ import numpy as np
 import torch
 
 from skipkey.attention import allowed_keys
+from skipkey.errors import InputError
 
 
-def _mask(layer_idx: int, window: int | None, total: int, prompt_len: int, kept, num_heads: int, device):
-    positions = torch.arange(total, device=device)
-    causal = allowed_keys(positions[None, None, :], positions[None, :], window)  # [1, 1, T, T]
+def _mask(layer_idx: int, window: int | None, positions: torch.Tensor, prompt_len: int, kept, num_heads: int):
+    """``[B, H, T, T]`` keys each query may see; ``kept`` (one unpadded row only) narrows decode queries."""
+    slots = torch.arange(positions.shape[1], device=positions.device)
+    # Each query may see its own slot, so padding queries are never fully masked (NaN in SDPA).
+    causal = allowed_keys(positions[:, None, :], positions, window, query_slots=slots)  # [B, 1, T, T]
     if kept is None:
         return causal
+    total = positions.shape[1]
     heads = max((k[layer_idx].shape[1] for k in kept if k[layer_idx] is not None), default=1)
     mask = causal.expand(1, heads, total, total).clone()
     for t, step_kept in enumerate(kept[: total - prompt_len]):
@@ -33,13 +39,47 @@ def _mask(layer_idx: int, window: int | None, total: int, prompt_len: int, kept,
         if layer_kept is None:
             continue  # the layer was freed: this query does not run it
         query = prompt_len + t
-        row = torch.zeros(heads, total, dtype=torch.bool, device=device)
+        row = torch.zeros(heads, total, dtype=torch.bool, device=positions.device)
         for h in range(heads):
             pos = layer_kept[0, min(h, layer_kept.shape[1] - 1)]
-            row[h, torch.as_tensor(pos[pos >= 0], dtype=torch.long, device=device)] = True
+            row[h, torch.as_tensor(pos[pos >= 0], dtype=torch.long, device=positions.device)] = True
         row[:, query] = True
         mask[0, :, query] = row
     return mask.repeat_interleave(num_heads // heads, dim=1) if heads > 1 else mask
+
+
+def _runs(layer_idx: int, positions: torch.Tensor, prompt_lens: torch.Tensor,
+          layer_sets: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``[B, T]``: which slots run ``layer_idx`` (prompt: all; ``P + t``: ``E(t)``; padding: none)."""
+    steps = positions - prompt_lens[:, None]
+    runs = positions >= 0
+    if layer_sets:
+        in_set = torch.tensor([layer_idx in layers for layers in layer_sets], device=positions.device)
+        decoding = (steps >= 0) & (steps < len(layer_sets))
+        runs &= ~decoding | in_set[steps.clamp(0, len(layer_sets) - 1)]
+    return runs
+
+
+def _final_hidden(adapter, input_ids: torch.Tensor, positions: torch.Tensor, prompt_lens: torch.Tensor,
+                  layer_sets: Sequence[Sequence[int]], kept=None) -> torch.Tensor:
+    """Hidden states ``[B, T, H]`` after the last layer; ``positions`` is -1 at padding."""
+    rope_pos = positions.clamp(min=0)
+    hidden = adapter.embed(input_ids, rope_pos)
+    inputs_by_end: dict[int, list[dict]] = {}
+    for idx in range(adapter.num_layers):
+        runs = _runs(idx, positions, prompt_lens, layer_sets)
+        if not runs.any():
+            continue
+        # Slots past the last one that runs this layer are never read through it: leave them out.
+        end = int(runs.any(dim=0).nonzero().max()) + 1
+        if end not in inputs_by_end:
+            inputs_by_end[end] = adapter.position_inputs(hidden[:, :end], rope_pos[:, :end])
+        mask = _mask(idx, adapter.layer_info[idx].sliding_window, positions[:, :end], int(prompt_lens[0]),
+                     kept, adapter.num_heads)
+        out = adapter.run_layer(idx, hidden[:, :end], inputs_by_end[end][idx], attention_mask=mask)
+        head = torch.where(runs[:, :end, None], out, hidden[:, :end])
+        hidden = head if end == hidden.shape[1] else torch.cat([head, hidden[:, end:]], dim=1)
+    return hidden
 
 
 def teacher_forced_logits(adapter, input_ids: torch.Tensor, prompt_len: int,
@@ -52,19 +92,39 @@ def teacher_forced_logits(adapter, input_ids: torch.Tensor, prompt_len: int,
     ``StepEvent.kept`` for the event that produced token ``t``) restricts what the
     query at ``prompt_len + t`` sees in layer ``l``, besides itself.
     """
-    total = input_ids.shape[1]
-    device = input_ids.device
-    positions = torch.arange(total, device=device)[None]
-    hidden = adapter.embed(input_ids, positions)
-    layer_kwargs = adapter.position_inputs(hidden, positions)
-    layer_sets = list(layer_sets or [])
-    for idx in range(adapter.num_layers):
-        runs = torch.ones(total, dtype=torch.bool, device=device)
-        for t, layers in enumerate(layer_sets[: total - prompt_len]):
-            runs[prompt_len + t] = idx in layers
-        if not runs.any():
-            continue
-        mask = _mask(idx, adapter.layer_info[idx].sliding_window, total, prompt_len, kept, adapter.num_heads, device)
-        out = adapter.run_layer(idx, hidden, layer_kwargs[idx], attention_mask=mask)
-        hidden = torch.where(runs[None, :, None], out, hidden)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    prompt_lens = torch.tensor([prompt_len], device=input_ids.device)
+    hidden = _final_hidden(adapter, input_ids, positions, prompt_lens, list(layer_sets or []), kept)
     return adapter.head(hidden)[0]
+
+
+def teacher_forced_logits_batch(adapter, input_ids: torch.Tensor, prompt_lens: Sequence[int],
+                                layer_sets: Sequence[Sequence[int]] | None = None, *,
+                                attention_mask: torch.Tensor | None = None,
+                                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits for a padded batch ``input_ids`` ``[B, T]``, the schedule shared by the batch.
+
+    ``attention_mask`` ``[B, T]`` is 1 at tokens and 0 at padding, on either side
+    (default: no padding). ``prompt_lens[b]`` counts row ``b``'s prompt tokens;
+    its token at position ``prompt_lens[b] + t`` runs ``layer_sets[t]``, so
+    ``E(t)`` follows the generation step, not the slot, as in the engine.
+    ``logits_at`` ``[B, T]`` (bool) computes the LM head only there and returns
+    ``[N, V]`` in row-major order (the head is most of the cost on big
+    vocabularies); by default all of ``[B, T, V]``.
+    """
+    if input_ids.dim() != 2:
+        raise InputError(f"input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape or len(prompt_lens) != input_ids.shape[0]:
+        raise InputError(f"attention_mask {tuple(attention_mask.shape)} and {len(prompt_lens)} prompt lengths "
+                         f"must match input_ids {tuple(input_ids.shape)}")
+    real = attention_mask.bool()
+    positions = torch.where(real, real.long().cumsum(dim=1) - 1, -1)
+    lens = torch.as_tensor(list(prompt_lens), device=input_ids.device)
+    if bool((lens < 1).any()) or bool((lens > real.sum(dim=1)).any()):
+        raise InputError(f"prompt lengths {list(prompt_lens)} must be from 1 to each row's token count")
+    hidden = _final_hidden(adapter, input_ids, positions, lens, list(layer_sets or []))
+    if logits_at is not None:
+        return adapter.head(hidden[logits_at.bool()])
+    return adapter.head(hidden)
