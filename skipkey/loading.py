@@ -7,15 +7,15 @@ use converts it once into a plain dense checkpoint (safetensors + tokenizer.json
 in the SkipKey cache; every later load is an ordinary ``from_pretrained`` of that
 directory and takes seconds.
 
-The dense copy is float32. The GGUF's Q4_K values dequantise to float32 exactly,
-so float32 keeps the model bit-for-bit what the GGUF encodes (the conversion
-checks that its logits match); bfloat16 would round them once more and save only
-about 0.5 GB (1.1 GB -> 0.55 GB). ``load_model`` casts to the requested dtype at
-load time.
+The dense copy is float32. transformers dequantises the GGUF into float32, so a
+float32 copy holds exactly those values (the conversion checks that the logits
+match, and they do to the bit); bfloat16 would round them once more to save about
+0.5 GB of disk (1.07 GB -> 0.54 GB). ``load_model`` casts to the requested dtype.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -46,15 +46,22 @@ DTYPES = {
 }
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
-# Default dtype on CPU, chosen by measurement rather than assumed.
-# Measured 2025-11-29 on this project's 2-core x86 CPU box (torch 2.13 CPU,
-# transformers 5.24): embedded Gemma 3 270M, prompt of 8 tokens, 32 greedy tokens
-# with model.generate after one warm-up, best of 3, interleaved:
-#   float32  : see CPU_DTYPE_MEASUREMENT
-#   bfloat16 : see CPU_DTYPE_MEASUREMENT
-# Command: python -c "<timing loop>" (reported with the commit that set this).
-CPU_DTYPE_MEASUREMENT = "pending"
-CPU_DEFAULT_DTYPE = torch.float32
+# Default dtype on CPU, measured rather than assumed (2026-11-29, 2-core AMD EPYC VM
+# with avx512_bf16, torch 2.13 CPU, transformers 5.24, 2 threads): embedded Gemma 3
+# 270M, 8-token prompt, model.generate of 32 greedy tokens after one warm-up,
+# float32 and bfloat16 interleaved, runs where the process had both cores:
+#   float32   9.2 /  9.7 tok/s (median / best)
+#   bfloat16 13.0 / 13.5 tok/s  -> about 1.4x faster; the 262k-row LM head makes
+#   decoding memory-bound and bf16 halves the bytes read per token.
+# With the cores oversubscribed (two busy-loop processes alongside) both fell to
+# 1-2 tok/s with no consistent winner. bfloat16 output is not bit-identical to the
+# GGUF's float32 (greedy text diverged after ~10 tokens); ask for "float32" for that.
+# That gain needs bf16 instructions. Without them torch's bf16 matmul drops to slow
+# fallback kernels: 44x-500x slower than float32 on AVX2-only x86 (pytorch#146508,
+# tenstorrent/tt-mlir#7501), and PyTorch's AMP notes say to check avx512_bf16 first.
+# So bfloat16 is the default only where /proc/cpuinfo lists such instructions (the Arm
+# "bf16" entry is included on the same reasoning, not measured here).
+_BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
 
 _EMBEDDED_LABEL = "embedded Gemma 3 270M"
 _LOCK_TIMEOUT_S = 30 * 60
@@ -102,11 +109,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None`` picks bfloat16 on CUDA (float16 where bf16 is unsupported) and the measured faster one on CPU."""
+    """``None`` picks bfloat16 on CUDA (float16 where bf16 is unsupported), on CPU ``cpu_default_dtype()``."""
     if dtype is None:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return CPU_DEFAULT_DTYPE
+        return cpu_default_dtype()
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
             return dtype
@@ -118,8 +125,30 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     raise InputError(f"Unknown dtype {dtype!r}; allowed: 'float32', 'bfloat16', 'float16'.")
 
 
+@functools.cache
+def cpu_default_dtype() -> torch.dtype:
+    """bfloat16 where the CPU has bf16 instructions (measured faster, see above), else float32."""
+    return torch.bfloat16 if _cpu_flags() & _BF16_CPU_FLAGS else torch.float32
+
+
+def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    try:
+        text = cpuinfo.read_text()
+    except OSError:  # not Linux: no cheap way to ask, so no flags and float32
+        return set()
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.partition(":")[2].split())
+    return flags
+
+
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """Where SkipKey keeps its own files: argument > $SKIPKEY_CACHE > $HF_HOME/skipkey > $XDG_CACHE_HOME/skipkey > ~/.cache/skipkey."""
+    """Where SkipKey keeps its own files.
+
+    The argument, else $SKIPKEY_CACHE, else $HF_HOME/skipkey, else $XDG_CACHE_HOME/skipkey,
+    else ~/.cache/skipkey. Hub models stay in the Hugging Face cache, shared with other tools.
+    """
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     if os.environ.get("SKIPKEY_CACHE"):
@@ -149,7 +178,7 @@ def embedded_model_dir(cache_dir: str | Path | None = None, progress: bool = Tru
         try:
             lock.acquire(timeout=0)
         except filelock.Timeout:
-            _say(progress, f"Waiting for another process that is converting the {_EMBEDDED_LABEL} ({lock.lock_file})...")
+            _say(progress, f"Waiting for another process converting the {_EMBEDDED_LABEL} ({lock.lock_file})...")
             lock.acquire(timeout=_LOCK_TIMEOUT_S)
     except filelock.Timeout as error:
         raise ModelLoadError(
@@ -175,7 +204,7 @@ def load_model(
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     if not isinstance(name, str) or not name.strip():
-        raise InputError(f"Model name {name!r} is empty; {_ACCEPTED_NAMES}")
+        raise InputError(f"Model name {name!r} is not a non-empty string; {_ACCEPTED_NAMES}")
     if name == EMBEDDED:
         source, hub_id = str(embedded_model_dir(cache_dir, progress)), None
     else:
@@ -223,7 +252,7 @@ def _from_hub(hub_id: str, dtype: torch.dtype):
         if not isinstance(error.__cause__, OSError) or not _is_missing_locally(error.__cause__):
             raise
     if _hub_offline():
-        raise ModelLoadError(_offline_message(hub_id, "offline mode is on (HF_HUB_OFFLINE)"))
+        raise ModelLoadError(_offline_message(hub_id, "offline: HF_HUB_OFFLINE is set"))
     if not _hub_resolvable():
         raise ModelLoadError(_offline_message(hub_id, "offline"))
     return _from_pretrained(hub_id, dtype, local_files_only=False, label=hub_id)
@@ -246,9 +275,9 @@ def _load_failure_message(label: str, error: Exception) -> str:
     names = {type(e).__name__ for e in chain}
     text = " ".join(str(e) for e in chain)
     if "GatedRepoError" in names:
-        return f"Model {label!r} is gated on the Hugging Face Hub; accept its license on its page and log in (hf auth login)."
+        return f"Model {label!r} is gated on the Hugging Face Hub; accept its license there and run hf auth login."
     if "RepositoryNotFoundError" in names:
-        return f"Model {label!r} was not found on the Hugging Face Hub; check the id (private models need hf auth login)."
+        return f"Model {label!r} was not found on the Hugging Face Hub; check the id (private ones need hf auth login)."
     if "trust_remote_code" in text:
         return f"Model {label!r} needs custom code from its repository (trust_remote_code), which SkipKey never runs."
     if "Unrecognized configuration class" in text or "Unrecognized model" in text:
@@ -399,7 +428,8 @@ def _save_dense(gguf_model, tokenizer, directory: Path) -> None:
     try:
         dense.load_state_dict(gguf_model.state_dict(), strict=True)
     except RuntimeError as error:
-        raise ModelLoadError(f"The GGUF's tensors do not match Gemma 3's layout: {str(error).splitlines()[0]}") from error
+        first_line = str(error).splitlines()[0]
+        raise ModelLoadError(f"The GGUF's tensors do not match Gemma 3's layout: {first_line}") from error
     dense.generation_config = gguf_model.generation_config
     dense.save_pretrained(directory, safe_serialization=True)
     del dense

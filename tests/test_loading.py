@@ -60,7 +60,22 @@ def test_dtype_strings_aliases_and_defaults():
     assert resolve_dtype("float16", CPU) is torch.float16
     assert resolve_dtype("bf16", CPU) is torch.bfloat16
     assert resolve_dtype(torch.float16, CPU) is torch.float16
-    assert resolve_dtype(None, CPU) is loading.CPU_DEFAULT_DTYPE
+    assert resolve_dtype(None, CPU) is loading.cpu_default_dtype()
+
+
+@pytest.mark.parametrize(
+    "cpuinfo, has_bf16",
+    [
+        ("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n", False),
+        ("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n", True),
+        ("processor\t: 0\nFeatures\t: fp asimd sve bf16\n", True),
+    ],
+)
+def test_bf16_default_needs_bf16_instructions(tmp_path, cpuinfo, has_bf16):
+    path = tmp_path / "cpuinfo"
+    path.write_text(cpuinfo)
+    assert bool(loading._cpu_flags(path) & loading._BF16_CPU_FLAGS) is has_bf16
+    assert loading._cpu_flags(tmp_path / "missing") == set()
 
 
 @pytest.mark.parametrize(
@@ -224,5 +239,5 @@ def test_embedded_model():
     started = time.perf_counter()
     default = load_model(EMBEDDED, device="cpu", progress=False)
     assert time.perf_counter() - started < 20
-    assert default.dtype is loading.CPU_DEFAULT_DTYPE
-    assert next(default.model.parameters()).dtype is loading.CPU_DEFAULT_DTYPE
+    assert default.dtype is loading.cpu_default_dtype()
+    assert next(default.model.parameters()).dtype is loading.cpu_default_dtype()
