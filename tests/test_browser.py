@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -48,7 +45,8 @@ def served(tiny_models):
     if SCREENSHOT:
         demo = app.build_demo()
     else:
-        lm = tiny_models("gemma3")
+        lm = tiny_models("gemma3", seed=1)
+        lm.model.generation_config.eos_token_id = None  # the run to stop must still be going
         demo = app.build_demo(loader=lambda name: lm, figure_every=4)
     port = free_port()
     app.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
@@ -115,7 +113,7 @@ def test_compare_and_stop_in_chromium(served, page, tmp_path):
     wait_until(lambda: "Done" in status.inner_text(), 60 * slow, "the comparison to finish")
     assert text_of(page, "full_text").strip() and text_of(page, "skip_text").strip()
     for plot in ("layer_plot", "retention_plot"):
-        wait_until(lambda: plotted(page, plot), 30, f"{plot} to render")
+        wait_until(lambda plot=plot: plotted(page, plot), 30, f"{plot} to render")
         assert page.locator(f"#{plot} .js-plotly-plot .heatmaplayer image, "
                             f"#{plot} .js-plotly-plot .hm image").count() > 0, f"{plot} has no heatmap"
     assert "layers/token" in page.locator("#skip_metrics").inner_text()

@@ -1,0 +1,315 @@
+"""What the app does, without the page: the model cache, the request edge, the comparison.
+
+``app.py`` only wires these to Gradio components. Everything here is plain
+Python, so tests call it directly with a tiny model.
+
+* ``ModelCache`` loads each allowed model once (in the background, so the page
+  can show progress) and hands the same ``LoadedModel`` to every request.
+* ``build_request`` is the edge: raw control values (from the page or from any
+  API client) become one frozen ``ComparisonRequest``, or an ``InputError`` that
+  says what is allowed. The ranges are the library's own checks.
+* ``compare`` runs the full model and SkipKey interleaved step by step on one
+  device, each side timed by its own steps only, and yields both traces.
+* ``side_metrics`` / ``agreement_summary`` turn traces into the text under each column.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from skipkey.config import GenerationSettings
+from skipkey.engine import Engine
+from skipkey.errors import InputError
+from skipkey.kv_policies import KVPolicy, make_kv_policy
+from skipkey.loading import EMBEDDED, LoadedModel
+from skipkey.metrics import agreement, compute, kv_share, memory, rouge_l, speed
+from skipkey.skipdecode import SkipDecode, make_skipdecode
+from skipkey.trace import Trace
+
+MODELS_ENV = "SKIPKEY_MODELS"
+DECODING = ("greedy", "sample")
+SET_BY = ("layers", "target speedup")
+
+Loader = Callable[[str], LoadedModel]
+
+
+def allowed_models(env: str | None = None) -> tuple[str, ...]:
+    """The embedded model first, then the comma-separated ids in ``$SKIPKEY_MODELS`` (GPU deployments)."""
+    text = os.environ.get(MODELS_ENV, "") if env is None else env
+    extra = [name.strip() for name in text.split(",") if name.strip()]
+    return tuple(dict.fromkeys([EMBEDDED, *extra]))
+
+
+def default_loader(name: str) -> LoadedModel:
+    from skipkey.loading import load_model
+
+    return load_model(name, progress=True)
+
+
+class ModelCache:
+    """Each allowed model is loaded once, on a background thread, and then shared.
+
+    A failed load is not cached: the next request tries again (the hub may be back).
+    Only names on the allow-list are ever loaded, whatever a client sends.
+    """
+
+    def __init__(self, loader: Loader = default_loader, allowed: Sequence[str] | None = None):
+        self._loader = loader
+        self.allowed = tuple(allowed) if allowed is not None else allowed_models()
+        if not self.allowed:
+            raise InputError("no model is allowed: the allow-list is empty")
+        self._futures: dict[str, Future] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def default(self) -> str:
+        return self.allowed[0]
+
+    def check(self, name) -> str:
+        if not isinstance(name, str) or name not in self.allowed:
+            raise InputError(f"model {name!r} is not offered here; choose one of: {', '.join(self.allowed)} "
+                             f"(the server's {MODELS_ENV} sets the list)")
+        return name
+
+    def future(self, name) -> Future:
+        """A future for the loaded model; starts loading it unless it is loaded or loading."""
+        name = self.check(name)
+        with self._lock:
+            future = self._futures.get(name)
+            if future is None or (future.done() and future.exception() is not None):
+                future = self._futures[name] = Future()
+                threading.Thread(target=self._load, args=(name, future), name=f"load {name}", daemon=True).start()
+        return future
+
+    def loaded(self, name) -> LoadedModel | None:
+        """The model if it is already loaded, else None (never waits)."""
+        future = self._futures.get(name)
+        if future is None or not future.done() or future.exception() is not None:
+            return None
+        return future.result()
+
+    def get(self, name, timeout: float | None = None) -> LoadedModel:
+        return self.future(name).result(timeout)
+
+    def _load(self, name: str, future: Future) -> None:
+        try:
+            loaded = self._loader(name)
+            Engine(loaded)  # set the model up for the engine once, before requests share it
+        except BaseException as error:  # noqa: BLE001 - handed to every waiting request
+            future.set_exception(error)
+        else:
+            future.set_result(loaded)
+
+
+@dataclass(frozen=True)
+class ComparisonRequest:
+    """One validated comparison: the prompt, how to decode, and SkipKey's two methods."""
+
+    model: str
+    prompt: str
+    settings: GenerationSettings
+    skip: SkipDecode | None
+    kv: KVPolicy | None
+
+    def describe(self) -> str:
+        parts = [self.skip.describe() if self.skip else "no layer skipping",
+                 f"KV {self.kv.describe()}" if self.kv else "full KV cache"]
+        return "; ".join(parts)
+
+
+def _whole(value):
+    """Sliders and JSON clients send 6.0 for 6; the library's checks want integers."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _number(value):
+    """A numeric string from an API client as a number; anything else unchanged for the checks to refuse."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _choice(name: str, value, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise InputError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+def _percent(value):
+    value = _number(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value / 100
+    return value
+
+
+def build_request(num_layers: int, *, model: str, prompt, max_new_tokens, decoding, temperature, seed,
+                  skip_on, layer_policy, schedule, set_by, b_max, b_min, horizon, warmup, exponent,
+                  target_speedup, kv_on, kv_policy, kv_budget_pct, kv_recent_pct, tau_init,
+                  tau_end) -> ComparisonRequest:
+    """The edge: raw control values -> a frozen ``ComparisonRequest``, or an ``InputError``.
+
+    Ranges are checked by the library (``GenerationSettings``, ``make_skipdecode``,
+    ``make_kv_policy``); here only the app's own choices (on/off, greedy/sample,
+    layers/target) and the unit conversions (% -> fraction, 6.0 -> 6).
+    For a constant schedule ``b_min`` is its number of layers.
+    """
+    if not isinstance(prompt, str):
+        raise InputError(f"prompt must be text, got {type(prompt).__name__}")
+    sample = _choice("decoding", decoding, DECODING) == "sample"
+    seed = _whole(_number(seed))
+    settings = GenerationSettings(max_new_tokens=_whole(_number(max_new_tokens)), do_sample=sample,
+                                  temperature=_number(temperature), seed=seed)
+    skip = None
+    if _flag("SkipDecode on/off", skip_on):
+        gen_len = max(1, settings.max_new_tokens - 1)
+        common = dict(kind=schedule, policy=layer_policy, warmup=_whole(_number(warmup)),
+                      exponent=_number(exponent))
+        if _choice("set SkipDecode by", set_by, SET_BY) == "target speedup":
+            skip = make_skipdecode(num_layers, gen_len, target=_number(target_speedup), **common)
+        elif schedule == "constant":
+            skip = make_skipdecode(num_layers, gen_len, layers=_whole(_number(b_min)), **common)
+        else:
+            skip = make_skipdecode(num_layers, gen_len, b_max=_whole(_number(b_max)), b_min=_whole(_number(b_min)),
+                                   horizon=_whole(_number(horizon)), **common)
+    kv = None
+    if _flag("KV eviction on/off", kv_on):
+        try:
+            kv = make_kv_policy(kv_policy, _percent(kv_budget_pct), _percent(kv_recent_pct),
+                                tau_init=_number(tau_init), tau_end=_number(tau_end), seed=seed)
+        except InputError as error:
+            raise InputError(f"{error} (the app's KV budget and recent window are in %: 50 means 0.5)") from None
+    return ComparisonRequest(model=model, prompt=prompt, settings=settings, skip=skip, kv=kv)
+
+
+def preview_schedule(num_layers: int, *, max_new_tokens, schedule, set_by, b_max, b_min, horizon, warmup,
+                     exponent, target_speedup):
+    """The schedule the controls describe and its decode steps, through the same edge as a run."""
+    request = build_request(
+        num_layers, model="", prompt="", max_new_tokens=max_new_tokens, decoding="greedy", temperature=1.0,
+        seed=0, skip_on=True, layer_policy="top", schedule=schedule, set_by=set_by, b_max=b_max, b_min=b_min,
+        horizon=horizon, warmup=warmup, exponent=exponent, target_speedup=target_speedup, kv_on=False,
+        kv_policy="", kv_budget_pct=None, kv_recent_pct=None, tau_init=None, tau_end=None)
+    return request.skip.schedule, max(1, request.settings.max_new_tokens - 1)
+
+
+FULL_LABEL, SKIPKEY_LABEL = "Full model", "SkipKey"
+
+
+def compare(loaded: LoadedModel, request: ComparisonRequest,
+            stop: threading.Event | None = None) -> Iterator[tuple[Trace, Trace]]:
+    """Full model and SkipKey, interleaved one step each on the same device.
+
+    Alternating ``next()`` on the two generators keeps both under the same machine
+    load, and each side's timings are its own steps only (``StepEvent.seconds``).
+    Yields the two (growing) traces after every pair of steps. ``stop`` ends both;
+    closing this generator closes both engine loops, which frees their caches.
+    """
+    full, skipkey = Engine(loaded), Engine(loaded, skip=request.skip, kv=request.kv)
+    traces = (Trace.for_engine(full, FULL_LABEL), Trace.for_engine(skipkey, SKIPKEY_LABEL))
+    # Only SkipKey's kept positions are drawn; the full model's would cost memory for nothing.
+    streams = [full.generate([request.prompt], request.settings, stop=stop, record=False),
+               skipkey.generate([request.prompt], request.settings, stop=stop, record=True)]
+    live = [True, True]
+    try:
+        while any(live):
+            for side, stream in enumerate(streams):
+                if live[side]:
+                    event = next(stream, None)
+                    if event is None:
+                        live[side] = False
+                    else:
+                        traces[side].add(event)
+            if any(live):
+                yield traces
+        for trace in traces:
+            trace.stopped = stop is not None and stop.is_set()
+        yield traces
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+# -- what the page shows ----------------------------------------------------------
+def _fmt(value: float | None, pattern: str, missing: str = "–") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return missing
+    return pattern.format(value)
+
+
+@dataclass(frozen=True)
+class SideMetrics:
+    """The numbers under one column."""
+
+    tokens_per_s: float
+    ms_per_token: float
+    ttft_s: float
+    kv_mb: float
+    kv_percent: float
+    mean_layers: float | None = None
+    nominal_speedup: float | None = None
+    measured_speedup: float | None = None
+
+    def markdown(self) -> str:
+        lines = [
+            f"**{_fmt(self.tokens_per_s, '{:.1f}')}** tokens/s · **{_fmt(self.ms_per_token, '{:.0f}')}** ms/token "
+            f"· first token **{_fmt(self.ttft_s, '{:.2f}')}** s",
+            f"KV cache **{_fmt(self.kv_mb, '{:.2f}')}** MB ({_fmt(self.kv_percent, '{:.0f}')}% of full)",
+        ]
+        if self.mean_layers is not None:
+            lines.append(f"**{_fmt(self.mean_layers, '{:.1f}')}** layers/token · nominal speedup "
+                         f"**{_fmt(self.nominal_speedup, '{:.2f}')}x** · measured "
+                         f"**{_fmt(self.measured_speedup, '{:.2f}')}x**")
+        return "  \n".join(lines)
+
+
+def side_metrics(trace: Trace, reference: Trace | None = None) -> SideMetrics:
+    """``reference`` (the full model's trace) makes this the SkipKey side: shares and speedups."""
+    timing = speed(trace)
+    held = memory(trace).kv_bytes_final
+    if reference is None:
+        return SideMetrics(timing.tokens_per_s, timing.ms_per_token_p50, timing.ttft_s, held / 1e6,
+                           100.0 if trace.events else float("nan"))
+    ref_timing = speed(reference)
+    work = compute(trace)
+    measured = (ref_timing.ms_per_token_p50 / timing.ms_per_token_p50
+                if timing.decode_tokens and ref_timing.decode_tokens else float("nan"))
+    return SideMetrics(timing.tokens_per_s, timing.ms_per_token_p50, timing.ttft_s, held / 1e6,
+                       100.0 * kv_share(trace, reference), mean_layers=work.mean_layers,
+                       nominal_speedup=work.nominal_speedup, measured_speedup=measured)
+
+
+def agreement_summary(full: Trace, skipkey: Trace, tokenizer=None, final: bool = False) -> str:
+    """Token agreement and the first divergence (over the tokens both sides have while streaming);
+    ROUGE-L of the texts once both are done."""
+    reference, candidate = full.tokens(), skipkey.tokens()
+    if not final:
+        shared = min(len(reference), len(candidate))
+        reference, candidate = reference[:shared], candidate[:shared]
+    match = agreement(reference, candidate)
+    text = f"**Agreement:** {match.matching:.0%} of {max(len(reference), len(candidate))} tokens match"
+    i = match.first_divergence
+    if i is None:
+        text += " · no divergence"
+    else:
+        text += f" · first divergence at token {i}"
+        if tokenizer is not None and i < min(len(reference), len(candidate)):
+            text += f" ({tokenizer.decode([reference[i]])!r} vs {tokenizer.decode([candidate[i]])!r})"
+    if final:
+        text += f" · ROUGE-L **{rouge_l(full.text(), skipkey.text()):.2f}**"
+    return text

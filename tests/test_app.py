@@ -1,0 +1,355 @@
+"""The app's handlers and logic, called as plain functions with a tiny Gemma 3 (6 layers, sliding windows)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import threading
+import time
+
+import gradio as gr
+import plotly.graph_objects as go
+import pytest
+
+from conftest import PROMPTS
+from skipkey import app_logic
+from skipkey.app_logic import ModelCache, allowed_models, build_request, compare
+from skipkey.config import GenerationSettings
+from skipkey.engine import Engine
+from skipkey.errors import InputError, ModelLoadError
+from skipkey.kv_policies import KeyformerPolicy, StreamingPolicy
+from skipkey.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule
+from skipkey.trace import Trace
+
+import app
+
+CONTROLS = dict(prompt=PROMPTS[2], model="embedded", max_new_tokens=10, decoding="greedy", temperature=1.0,
+                seed=0, skip_on=True, layer_policy="top", schedule="linear", set_by="layers", b_max=6, b_min=2,
+                horizon=6, warmup=1, exponent=2.0, target_speedup=2.0, kv_on=True, kv_policy="keyformer",
+                kv_budget_pct=50, kv_recent_pct=30, tau_init=1.0, tau_end=2.0)
+
+
+class FakeRequest:
+    def __init__(self, session_hash: str):
+        self.session_hash = session_hash
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    """A tiny Gemma 3 that never emits EOS, so every run makes exactly max_new_tokens."""
+    lm = tiny_models("gemma3", seed=1)
+    lm.model.generation_config.eos_token_id = None
+    return lm
+
+
+@pytest.fixture
+def demo(tiny):
+    calls = []
+
+    def loader(name):
+        calls.append(name)
+        return tiny
+
+    demo = app.build_demo(loader=loader, figure_every=2, figure_interval=0, text_interval=0)
+    demo.loader_calls = calls
+    return demo
+
+
+def request_for(num_layers=6, **changes):
+    return build_request(num_layers, **{**CONTROLS, **changes})
+
+
+def run(demo, **changes):
+    return list(demo.handlers["compare"](**{**CONTROLS, **changes}))
+
+
+# -- the model list and cache --------------------------------------------------------
+def test_allow_list_puts_the_embedded_model_first(monkeypatch):
+    assert allowed_models("") == ("embedded",)
+    assert allowed_models(" facebook/opt-1.3b, Qwen/Qwen2.5-0.5B ,,embedded") == (
+        "embedded", "facebook/opt-1.3b", "Qwen/Qwen2.5-0.5B")
+    monkeypatch.setenv("SKIPKEY_MODELS", "Qwen/Qwen2.5-0.5B")
+    assert allowed_models() == ("embedded", "Qwen/Qwen2.5-0.5B")
+
+
+def test_models_load_once_and_only_from_the_allow_list(tiny):
+    calls = []
+
+    def loader(name):
+        calls.append(name)
+        time.sleep(0.2)
+        return tiny
+
+    cache = ModelCache(loader, allowed=("embedded",))
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cache.get("embedded"))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["embedded"] and all(r is tiny for r in results)
+    for name in ("gpt2", "../etc", None, 3):
+        with pytest.raises(InputError, match="not offered here"):
+            cache.future(name)
+    assert calls == ["embedded"]
+
+
+def test_a_failed_load_is_reported_and_retried(tiny):
+    attempts = []
+
+    def flaky(name):
+        attempts.append(name)
+        if len(attempts) == 1:
+            raise ModelLoadError("Model 'x' is not in the local cache and the Hugging Face Hub is unreachable")
+        return tiny
+
+    cache = ModelCache(flaky, allowed=("x",))
+    with pytest.raises(ModelLoadError, match="unreachable"):
+        cache.get("x")
+    assert cache.loaded("x") is None
+    assert cache.get("x") is tiny and len(attempts) == 2
+
+
+# -- the edge -----------------------------------------------------------------------
+def test_the_edge_builds_frozen_configs():
+    req = request_for()
+    assert req.settings == GenerationSettings(max_new_tokens=10)
+    assert req.skip.schedule == LinearSchedule(6, 2, 6, warmup=1) and req.skip.policy == "top"
+    assert isinstance(req.kv, KeyformerPolicy) and req.kv.budget == 0.5 and req.kv.recent == 0.3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        req.prompt = "changed"
+    # Sliders and JSON clients send whole numbers as floats.
+    assert request_for(max_new_tokens=10.0, b_min=3.0, seed=7.0).skip.schedule.b_min == 3
+
+
+def test_the_edge_covers_every_mode():
+    assert request_for(skip_on=False, kv_on=False).skip is None and request_for(kv_on=False).kv is None
+    assert request_for(schedule="constant", b_min=3).skip.schedule == ConstantSchedule(3)
+    assert isinstance(request_for(schedule="power").skip.schedule, PowerLawSchedule)
+    target = request_for(set_by="target speedup", target_speedup=2.0, max_new_tokens=33).skip
+    assert target.plan(6).nominal_speedup(32) == pytest.approx(2.0, rel=0.15)
+    assert request_for(layer_policy="importance").skip.needs_importance
+    assert isinstance(request_for(kv_policy="streaming").kv, StreamingPolicy)
+    sampled = request_for(decoding="sample", temperature=0.7, seed=3).settings
+    assert sampled.do_sample and sampled.temperature == 0.7 and sampled.seed == 3
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(max_new_tokens=0), "max_new_tokens must be in 1..2048"),
+    (dict(max_new_tokens="many"), "max_new_tokens must be a whole number"),
+    (dict(max_new_tokens=2.5), "max_new_tokens must be a whole number"),
+    (dict(temperature=0), "temperature must be in (0.0, 10.0]"),
+    (dict(seed=-1), "seed must be in"),
+    (dict(decoding="beam"), "decoding must be one of greedy, sample"),
+    (dict(b_min=5, b_max=4), "b_min must be an integer from 2"),
+    (dict(b_max=7), "b_max must be an integer from 2 (warmup + 1) to 6"),
+    (dict(warmup=6), "warmup must be an integer from 0 to 5"),
+    (dict(horizon=-1), "horizon must be an integer >= 0"),
+    (dict(set_by="target speedup", target_speedup=9), "target speedup must be from 1 to 3.00"),
+    (dict(set_by="guess"), "set SkipDecode by must be one of"),
+    (dict(schedule="cubic"), "schedule kind must be one of linear, power, constant"),
+    (dict(schedule="power", exponent=0), "exponent must be a finite number > 0"),
+    (dict(layer_policy="bottom"), "unknown layer policy 'bottom'"),
+    (dict(kv_policy="lru"), "unknown KV policy 'lru'"),
+    (dict(kv_budget_pct=0), "KV budget 0.0 is invalid"),
+    (dict(kv_recent_pct=150), "KV recent-window share must be in [0.0, 1.0]"),
+    (dict(tau_init=0), "tau_init must be in (0.0, 100.0]"),
+    (dict(skip_on="yes"), "SkipDecode on/off must be true or false"),
+    (dict(kv_on=None), "KV eviction on/off must be true or false"),
+    (dict(prompt=None), "prompt must be text"),
+])
+def test_each_bad_value_gets_a_clear_message(changes, message):
+    with pytest.raises(InputError) as error:
+        request_for(**changes)
+    assert message in str(error.value)
+
+
+def test_off_switches_skip_the_checks_of_what_is_off():
+    assert request_for(skip_on=False, b_min=99).skip is None
+    assert request_for(kv_on=False, kv_budget_pct=0).kv is None
+
+
+# -- the comparison -------------------------------------------------------------------
+def test_both_sides_match_their_solo_runs(tiny):
+    req = request_for(max_new_tokens=12)
+    *_, (full, sk) = compare(tiny, req)
+    settings = req.settings
+    assert full.tokens() == Trace.collect(Engine(tiny), [req.prompt], settings).tokens()
+    assert sk.tokens() == Trace.collect(Engine(tiny, skip=req.skip, kv=req.kv), [req.prompt], settings).tokens()
+    assert full.events[0].kept is None and sk.events[-1].kept is not None  # only SkipKey's retention is drawn
+    assert all(e.seconds > 0 for e in full.events + sk.events)
+
+
+def test_the_sides_advance_together(tiny):
+    seen = [(len(full.events), len(sk.events)) for full, sk in compare(tiny, request_for(max_new_tokens=6))]
+    assert seen == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (6, 6)]  # the last: both done
+
+
+def test_stop_ends_both_sides_at_once(tiny):
+    stop = threading.Event()
+    stream = compare(tiny, request_for(max_new_tokens=200), stop)
+    for i, (full, sk) in enumerate(stream):  # noqa: B007 - the last pair is checked below
+        if i == 3:
+            stop.set()
+    assert len(full.events) <= 5 and len(sk.events) <= 5
+    assert full.stopped and sk.stopped
+
+
+def test_closing_the_comparison_closes_both_engine_loops(tiny):
+    stream = compare(tiny, request_for(max_new_tokens=200))
+    full, sk = next(stream)
+    stream.close()
+    assert stream.gi_frame is None
+
+
+# -- the handlers ----------------------------------------------------------------------
+def test_compare_streams_then_returns_everything(demo):
+    outputs = run(demo, max_new_tokens=12)
+    assert "Generating" in outputs[0][0]
+    status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, state = outputs[-1]
+    assert status.startswith("✅ Done") and full_text and skip_text
+    assert "tokens/s" in full_md and "ms/token" in full_md and "first token" in full_md and "MB" in full_md
+    assert "layers/token" in skip_md and "nominal speedup" in skip_md and "measured" in skip_md
+    assert "% of full" in skip_md
+    assert "Agreement" in agree and "ROUGE-L" in agree
+    assert "<span title='token" in html
+    assert isinstance(layer_fig, go.Figure) and isinstance(retention_fig, go.Figure)
+    assert layer_fig.data[0].type == "heatmap" and retention_fig.data[0].type == "heatmap"
+    assert step["visible"] and step["maximum"] == len(state[0].events) - 1
+    # While streaming, the figures are redrawn every few tokens and skipped in between.
+    redrawn = [o[7] for o in outputs[2:-1]]
+    assert any(isinstance(f, go.Figure) for f in redrawn)
+
+
+def test_retention_slider_shows_any_step(demo):
+    state = run(demo, max_new_tokens=8)[-1][-1]
+    trace = state[0]
+    first = demo.handlers["retention_at_step"](state, 0)
+    assert first.data[0].z.shape[1] == trace.prompt_lengths[0]
+    last = demo.handlers["retention_at_step"](state, 99)  # clamped, never an error
+    assert "after step 7" in last.layout.title.text
+    assert demo.handlers["retention_at_step"](None, 3).layout.annotations
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(model="gpt2"), "not offered here"),
+    (dict(b_min=9), "b_min must be an integer"),
+    (dict(max_new_tokens=-3), "max_new_tokens must be in"),
+    (dict(prompt="   "), "the prompt is empty"),
+    (dict(prompt="x" * 1100), "exceeds the model's context of 1024 tokens"),
+    (dict(kv_budget_pct="lots"), "KV budget must be a number"),
+])
+def test_bad_requests_get_a_gradio_error(demo, changes, message):
+    with pytest.raises(gr.Error) as error:
+        run(demo, **changes)
+    assert message in error.value.message
+
+
+def test_an_error_leaves_the_app_serving(tiny):
+    attempts = []
+
+    def loader(name):
+        attempts.append(name)
+        if len(attempts) == 1:
+            raise RuntimeError("disk on fire")
+        return tiny
+
+    demo = app.build_demo(loader=loader)
+    with pytest.raises(gr.Error, match="disk on fire"):
+        run(demo)
+    assert run(demo)[-1][0].startswith("✅ Done")
+
+
+def test_a_crash_mid_generation_is_reported(demo, tiny, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+        yield
+
+    monkeypatch.setattr(app_logic.Engine, "generate", broken)
+    with pytest.raises(gr.Error, match="Generation failed: RuntimeError: CUDA out of memory"):
+        run(demo)
+    monkeypatch.undo()
+    assert run(demo)[-1][0].startswith("✅ Done")
+
+
+def test_stop_button_ends_the_sessions_run(demo):
+    stream = demo.handlers["compare"](**{**CONTROLS, "max_new_tokens": 500}, request=FakeRequest("s1"))
+    for i, _ in enumerate(stream):
+        if i == 3:
+            assert len(demo.running) == 1
+            assert demo.handlers["stop"](FakeRequest("other")) is not None  # another session's Stop: no effect
+            assert len(demo.running) == 1
+            assert demo.handlers["stop"](FakeRequest("s1")) == "⏹ Stopped."
+    assert "Stopped" in _[0]
+    assert len(demo.running) == 0
+
+
+def test_cancelling_frees_the_request(demo):
+    stream = demo.handlers["compare"](**{**CONTROLS, "max_new_tokens": 500}, request=FakeRequest("s2"))
+    for _ in range(4):
+        next(stream)
+    assert len(demo.running) == 1
+    stream.close()  # what Gradio does on cancels= / a client's cancel
+    assert len(demo.running) == 0
+
+
+def test_memory_stays_flat_across_requests(demo):
+    def live_traces():
+        gc.collect()
+        return sum(type(o) is Trace for o in gc.get_objects())
+
+    run(demo, max_new_tokens=4)
+    before = live_traces()
+    for _ in range(5):
+        run(demo, max_new_tokens=4)
+    assert live_traces() == before, "traces must not be kept after a request"
+    assert demo.loader_calls == ["embedded"], "the model is loaded once and cached"
+    assert len(demo.running) == 0
+
+
+def test_select_model_fits_the_sliders_to_the_model(demo):
+    *loading, ready = demo.handlers["select_model"]("embedded")
+    status, b_max, b_min, warmup, target, max_tokens = ready
+    assert "6 layers" in status
+    assert b_max["maximum"] == 6 and b_min["maximum"] == 6 and warmup["maximum"] == 5
+    assert target["maximum"] == 3.0
+    with pytest.raises(gr.Error, match="not offered here"):
+        list(demo.handlers["select_model"]("gpt2"))
+
+
+def test_select_model_reports_progress_while_loading(tiny):
+    def slow(name):
+        time.sleep(2.5)
+        return tiny
+
+    demo = app.build_demo(loader=slow)
+    outputs = list(demo.handlers["select_model"]("embedded"))
+    assert any("Loading model" in o[0] for o in outputs[:-1])
+    assert "ready" in outputs[-1][0]
+
+
+def test_schedule_preview_never_runs_the_model(demo, monkeypatch):
+    list(demo.handlers["select_model"]("embedded"))
+    monkeypatch.setattr(app_logic.Engine, "generate", lambda *a, **k: pytest.fail("the preview ran the model"))
+    preview = demo.handlers["schedule_preview"]
+    fig = preview("embedded", 20, "linear", "layers", 6, 3, 10, 1, 2.0, 2.0)
+    assert list(fig.data[1].y) == [LinearSchedule(6, 3, 10).budget(t) for t in range(19)]
+    bad = preview("embedded", 20, "linear", "layers", 6, 9, 10, 1, 2.0, 2.0)
+    assert "b_min must be" in bad.layout.annotations[0].text
+    target = preview("embedded", 20, "power", "target speedup", None, None, None, 1, 2.0, 2.0)
+    assert "nominal speedup" in target.layout.title.text
+    assert preview("gpt2", 20, "linear", "layers", 6, 3, 10, 1, 2.0, 2.0).layout.annotations
+
+
+def test_schedule_controls_show_what_the_schedule_uses(demo):
+    b_max, b_min, horizon, exponent, target = demo.handlers["schedule_controls"]("constant", "layers")
+    assert not b_max["visible"] and b_min["visible"] and not horizon["visible"] and not exponent["visible"]
+    *_, exponent, target = demo.handlers["schedule_controls"]("power", "target speedup")
+    assert exponent["visible"] and target["visible"]
+
+
+def test_examples_include_a_long_context_retrieval_prompt(tiny):
+    prompts = [example[0] for example in app.EXAMPLES]
+    retrieval = app.RETRIEVAL_PROMPT
+    assert retrieval in prompts and "7294" in retrieval.split("\n\n")[1]
+    assert len(retrieval) > 2000 and retrieval.rstrip().endswith("is")
