@@ -1,0 +1,33 @@
+# SkipKey's app as a Hugging Face Docker Space, or anywhere:
+#   docker build -t skipkey .                      # CPU-only torch (small image)
+#   docker build --build-arg TORCH=cuda -t skipkey . # PyPI's default torch, with CUDA
+#   docker run -p 7860:7860 skipkey
+FROM python:3.11-slim
+
+# cpu: torch's CPU-only wheels; cuda: the default PyPI build, for GPU hardware.
+ARG TORCH=cpu
+
+# Spaces run the container as uid 1000 and send traffic to port 7860.
+RUN useradd --create-home --uid 1000 user
+USER user
+ENV HOME=/home/user \
+    PATH=/home/user/.local/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    GRADIO_SERVER_NAME=0.0.0.0 \
+    GRADIO_SERVER_PORT=7860 \
+    GRADIO_ANALYTICS_ENABLED=False
+WORKDIR $HOME/app
+
+COPY --chown=user requirements.txt .
+RUN if [ "$TORCH" = "cpu" ]; then \
+        pip install --user torch --index-url https://download.pytorch.org/whl/cpu; \
+    fi \
+    && pip install --user -r requirements.txt
+
+COPY --chown=user . .
+# Convert the embedded model at build time, as the user that serves it, so the first visitor does not wait.
+RUN python -c "from skipkey.loading import embedded_model_dir; embedded_model_dir()"
+
+EXPOSE 7860
+CMD ["python", "app.py"]
