@@ -179,7 +179,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
         L = loaded.num_layers
         yield (f"✅ **{model}** ready: {L} layers, context {loaded.context_length} tokens, "
                f"{loaded.device.type} / {str(loaded.dtype).removeprefix('torch.')}",
-               *layer_slider_updates(L), gr.update(maximum=MAX_NEW_TOKENS_UI))
+               *layer_slider_updates(L), gr.update(maximum=min(MAX_NEW_TOKENS_UI, loaded.context_length - 1)))
 
     def schedule_preview(model, max_new_tokens, schedule, set_by, b_max, b_min, horizon, warmup, exponent,
                          target_speedup):
@@ -362,7 +362,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                    retention_plot, step, last_run]
         # preprocess=False: raw values reach the one edge (build_request), which checks them all,
         # also for API clients whose values no slider bounds.
-        run = generate_btn.click(compare_handler, [by_name[n] for n in CONTROLS], outputs, api_name="compare",
+        run = generate_btn.click(gpu(compare_handler), [by_name[n] for n in CONTROLS], outputs, api_name="compare",
                                  preprocess=False, concurrency_id="model", concurrency_limit=concurrency_limit,
                                  show_progress="minimal")
         stop_btn.click(stop_handler, None, status, cancels=[run], queue=False, api_name="stop",

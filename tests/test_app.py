@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import threading
 import time
 
@@ -353,3 +354,16 @@ def test_examples_include_a_long_context_retrieval_prompt(tiny):
     retrieval = app.RETRIEVAL_PROMPT
     assert retrieval in prompts and "7294" in retrieval.split("\n\n")[1]
     assert len(retrieval) > 2000 and retrieval.rstrip().endswith("is")
+
+
+def test_launch_never_makes_a_share_link(demo, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(demo, "launch", lambda **kwargs: seen.update(kwargs))
+    app.launch(demo, share=True)
+    assert seen["share"] is False and seen["theme"] is app.THEME
+
+
+def test_gpu_decorator_is_a_no_op_without_spaces():
+    if importlib.util.find_spec("spaces") is not None:
+        pytest.skip("the spaces package is installed: its ZeroGPU decorator is used")
+    assert app.gpu(len) is len
