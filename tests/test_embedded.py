@@ -1,0 +1,57 @@
+"""The engine on the real embedded model (Gemma 3 270M): token-for-token what ``generate`` gives.
+
+The first run on a machine converts the GGUF once (about 1.5 minutes); later runs load in seconds.
+"""
+
+import pytest
+import torch
+
+from skipkey.config import GenerationSettings
+from skipkey.engine import Engine
+from skipkey.evaluate import long_text_ids
+from skipkey.trace import Trace
+
+pytestmark = pytest.mark.embedded
+
+PROMPTS = [
+    "The history of the Roman Empire",
+    "def quicksort(items):\n",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "Ingredients for a chocolate cake: flour, sugar,",
+]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from skipkey.loading import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield load_model("embedded", dtype="float32", progress=False)
+    torch.set_num_threads(threads)
+
+
+def hf_greedy(lm, ids, n):
+    out = lm.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=n, do_sample=False)
+    new = out[0, len(ids):].tolist()
+    eos = [lm.model.generation_config.eos_token_id]
+    eos = eos[0] if isinstance(eos[0], list) else eos
+    end = next((i for i, t in enumerate(new) if t in eos), None)
+    return new if end is None else new[: end + 1]
+
+
+def test_full_mode_matches_generate_on_embedded_model(embedded):
+    prompts = [embedded.tokenizer(p)["input_ids"] for p in PROMPTS]
+    prompts.append(long_text_ids(embedded.tokenizer, 700))  # past Gemma's 512-token sliding window
+    for ids in prompts:
+        trace = Trace.collect(Engine(embedded), [ids], GenerationSettings(max_new_tokens=64))
+        assert trace.tokens() == hf_greedy(embedded, ids, 64), f"prompt of {len(ids)} tokens"
+        assert len(trace.tokens()) >= 8
+
+
+def test_batch_rows_match_solo_on_embedded_model(embedded):
+    settings = GenerationSettings(max_new_tokens=16)
+    batch = Trace.collect(Engine(embedded), PROMPTS, settings)
+    for row, prompt in enumerate(PROMPTS):
+        assert batch.tokens(row) == Trace.collect(Engine(embedded), [prompt], settings).tokens()

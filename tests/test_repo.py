@@ -1,0 +1,40 @@
+"""The repository keeps its promises: CI runs the README's test command; the Space config matches."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands():
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```(?:bash|sh)\n(.*?)\n```", text, flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    tests = [c for c in readme_commands() if "pytest" in c]
+    assert tests, "the README must give the test command"
+    assert tests[0].strip() in ci
+
+
+def test_readme_run_command_starts_the_app():
+    assert any("app.py" in c and "pip install" in c for c in readme_commands())
+
+
+def test_space_front_matter_matches_requirements():
+    text = (ROOT / "README.md").read_text()
+    front = re.match(r"---\n(.*?)\n---\n", text, flags=re.S)
+    assert front, "README.md must start with Hugging Face Space front matter"
+    meta = dict(line.split(":", 1) for line in front.group(1).splitlines() if ":" in line)
+    meta = {k.strip(): v.strip().strip('"') for k, v in meta.items()}
+    assert meta["sdk"] == "gradio" and meta["app_file"] == "app.py" and meta.get("suggested_hardware")
+    pin = re.search(r"^gradio==([\d.]+)", (ROOT / "requirements.txt").read_text(), flags=re.M)
+    assert pin and meta["sdk_version"] == pin.group(1)
+
+
+def test_no_remote_code_and_no_share_links():
+    for path in [ROOT / "app.py", *(ROOT / "skipkey").glob("*.py")]:
+        source = path.read_text()
+        assert "trust_remote_code=True" not in source, path
+        assert "share=True" not in source, path
