@@ -261,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     p.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0, 5.0])
     p.add_argument("--kv-policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--ppl-tokens", type=int, default=256,
+                   help="long-text perplexity: tokens scored after a 1024-token prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write results JSON here")
     p.add_argument("--figure", help="write the accuracy-vs-budget Plotly figure (HTML or PNG) here")

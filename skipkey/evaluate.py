@@ -288,7 +288,7 @@ def main(args) -> int:
         result["kv_retrieval"] = retrieval(loaded, configs, args.retrieval_lengths, args.retrieval_samples,
                                            args.seed, log)
         result["kv_agreement"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
-        result["kv_long_text"] = long_text_perplexity(loaded, configs, 1024, 256, log)
+        result["kv_long_text"] = long_text_perplexity(loaded, configs, 1024, args.ppl_tokens, log)
         print(markdown_table(result["kv_retrieval"], ["label", "length", "accuracy", "samples"]))
         print(markdown_table(result["kv_agreement"], ["label", "token_agreement", "first_divergence_median",
                                                       "rouge_l", "ppl_of_full_continuations"]))
