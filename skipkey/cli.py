@@ -1,4 +1,4 @@
-"""``python -m skipkey``: generate, bench, eval (and finetune when it lands).
+"""``python -m skipkey``: generate, bench, eval, finetune.
 
 Arguments are turned into validated configs once, here; errors print one line
 and exit with status 2.
@@ -21,16 +21,25 @@ from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
 RANDOM_PREFIX = "random:"
 
 
-def load(name: str, device: str | None, dtype: str | None):
-    """The embedded model, a Hub id, a local directory, or ``random:SHAPE`` for speed benchmarks."""
+def load(name: str, device: str | None, dtype: str | None, adapter: str | None = None):
+    """The embedded model, a Hub id, a local directory, or ``random:SHAPE`` for speed benchmarks.
+
+    ``adapter``: a SkipDecode LoRA adapter (``finetune``) merged into a copy; refused for another model.
+    """
     from skipkey.loading import load_model, resolve_device, resolve_dtype
 
     if name.startswith(RANDOM_PREFIX):
         from skipkey.tiny import shaped_model
 
         dev = resolve_device(device)
-        return shaped_model(name[len(RANDOM_PREFIX):], device=dev, dtype=resolve_dtype(dtype, dev))
-    return load_model(name, device=device, dtype=dtype)
+        loaded = shaped_model(name[len(RANDOM_PREFIX):], device=dev, dtype=resolve_dtype(dtype, dev))
+    else:
+        loaded = load_model(name, device=device, dtype=dtype)
+    if adapter is not None:
+        from skipkey.finetune import load_tuned
+
+        return load_tuned(loaded, adapter)
+    return loaded
 
 
 # -- shared options -------------------------------------------------------------
@@ -40,6 +49,10 @@ def add_model_args(p: argparse.ArgumentParser):
                         "or random:SHAPE (opt-1.3b, opt-6.7b, llama-mha-350m, llama-7b) for speed only")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, measured best on CPU)")
+
+
+def add_adapter_arg(p: argparse.ArgumentParser, help: str):
+    p.add_argument("--adapter", default=None, metavar="DIR", help=help)
 
 
 def add_generation_args(p: argparse.ArgumentParser, default_tokens: int = 64):
@@ -117,7 +130,7 @@ def cmd_generate(args) -> int:
         raise InputError("the prompt is empty: enter some text")
     settings = settings_from(args)
     check_methods_early(args)
-    loaded = load(args.model, args.device, args.dtype)
+    loaded = load(args.model, args.device, args.dtype, args.adapter)
     skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
     engine = Engine(loaded, skip=skip, kv=kv)
     trace = Trace.for_engine(engine)
@@ -159,6 +172,7 @@ def cmd_bench(args) -> int:
     check_methods_early(args)
     torch.manual_seed(0)
     loaded = load(args.model, args.device, args.dtype)
+    tuned = load(args.model, args.device, args.dtype, args.adapter) if args.adapter else None
     skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
     accelerated = []
     if skip is not None or kv is not None:
@@ -179,6 +193,8 @@ def cmd_bench(args) -> int:
             variants = [] if args.no_generate else [("generate", None)]
             variants.append(("full", Engine(loaded)))
             variants += [(label, Engine(loaded, skip=s, kv=k)) for label, s, k in accelerated]
+            if tuned is not None:  # the same configurations on the merged weights, interleaved with the rest
+                variants += [(f"{label} (tuned)", Engine(tuned, skip=s, kv=k)) for label, s, k in accelerated]
             print(f"# {loaded.name} on {loaded.device} ({loaded.dtype}), batch {batch}, prompt {prompt_tokens}",
                   file=sys.stderr)
             result = run_bench(loaded, variants, prompts, settings, repeats=args.repeats, warmup=args.warmup,
@@ -213,6 +229,12 @@ def machine_description(device) -> str:
     return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+def cmd_finetune(args) -> int:
+    from skipkey.finetune import main as finetune_main
+
+    return finetune_main(args)
+
+
 def cmd_eval(args) -> int:
     from skipkey.evaluate import main as eval_main
 
@@ -231,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generation_args(p)
     add_method_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    add_adapter_arg(p, "decode with this SkipDecode LoRA adapter (from finetune) merged into the model")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="decode speed: generate vs engine full vs accelerated, interleaved")
@@ -248,12 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-kv", nargs="*", default=[], choices=list(POLICIES),
                    help="also run each of these KV policies at --kv-budget")
     add_method_args(p)
+    add_adapter_arg(p, "also run each accelerated configuration on the model with this adapter merged")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="quality against the full model: agreement, ROUGE-L, perplexity, retrieval")
     add_model_args(p)
-    p.add_argument("--suite", nargs="+", default=["kv"], choices=["kv", "skip"],
-                   help="kv: policies x budgets (retrieval, agreement, perplexity); skip: SkipDecode policies x targets")
+    p.add_argument("--suite", nargs="+", default=["kv"], choices=["kv", "skip", "tuned"],
+                   help="kv: policies x budgets (retrieval, agreement, perplexity); skip: SkipDecode policies x "
+                        "targets; tuned: the same, untuned vs --adapter, side by side")
     p.add_argument("--prompts", type=int, default=20, help="ordinary prompts for agreement")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--retrieval-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
@@ -266,7 +291,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write results JSON here")
     p.add_argument("--figure", help="write the accuracy-vs-budget Plotly figure (HTML or PNG) here")
+    add_adapter_arg(p, "the SkipDecode LoRA adapter the tuned suite evaluates")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("finetune", help="train SkipDecode LoRA adapters with the skip policy in place")
+    add_model_args(p)
+    p.set_defaults(dtype="float32")
+    p.add_argument("--out", default="assets/skipdecode-lora", help="where the adapter and its metadata go")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at this share of --lr")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha / rank)")
+    p.add_argument("--kl-weight", type=float, default=1.0,
+                   help="weight of KL(full model || skipping model) added to the LM loss; 0 = LM loss only")
+    p.add_argument("--targets", type=float, nargs="+", default=[1.5, 3.0],
+                   help="one nominal speedup (fixed schedule) or LOW HIGH (drawn uniformly per batch)")
+    p.add_argument("--gen-len", type=int, default=64, help="continuation tokens per training sequence")
+    p.add_argument("--sequences", type=int, default=320, help="training sequences the full model generates")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--work-dir", default=None, help="checkpoints (default: under the SkipKey cache)")
+    p.add_argument("--resume", action="store_true", help="continue the checkpoint in the work dir")
+    p.add_argument("--restart", action="store_true", help="discard the checkpoint in the work dir")
+    p.set_defaults(func=cmd_finetune)
     return parser
 
 

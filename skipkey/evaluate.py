@@ -20,11 +20,12 @@ import random
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
+from skipkey.errors import InputError
 from skipkey.metrics import agreement, rouge_l
 from skipkey.trace import Trace
 
@@ -125,15 +126,16 @@ class EvalConfig:
     policy: str = "full"
     budget: float | None = None
     target: float | None = None
+    model: object = None  # the LoadedModel to decode with (a tuned copy); None = the reference model
 
 
 def _generate(loaded, config: EvalConfig, prompts, settings, **kwargs) -> Trace:
-    return Trace.collect(Engine(loaded, skip=config.skip, kv=config.kv), prompts, settings, **kwargs)
+    return Trace.collect(Engine(config.model or loaded, skip=config.skip, kv=config.kv), prompts, settings, **kwargs)
 
 
 def perplexity(loaded, config: EvalConfig, prompts, continuations) -> float:
     """exp(mean NLL) of ``continuations`` teacher-forced through the cached decode."""
-    engine = Engine(loaded, skip=config.skip, kv=config.kv)
+    engine = Engine(config.model or loaded, skip=config.skip, kv=config.kv)
     nll, count = 0.0, 0
     for event in engine.generate(prompts, forced=continuations):
         nll -= sum(event.logprobs)
@@ -149,7 +151,8 @@ def quality(loaded, configs: list[EvalConfig], prompts: list[str], max_new_token
     rows = []
     for config in configs:
         started = time.perf_counter()
-        trace = full if config.skip is None and config.kv is None else _generate(loaded, config, prompts, settings)
+        same_as_full = config.skip is None and config.kv is None and config.model is None
+        trace = full if same_as_full else _generate(loaded, config, prompts, settings)
         agree = [agreement(refs[r], trace.tokens(r)) for r in range(len(prompts))]
         divergences = [a.first_divergence if a.first_divergence is not None else max_new_tokens for a in agree]
         rouge = [rouge_l(full.text(r), trace.text(r)) for r in range(len(prompts))]
@@ -217,6 +220,14 @@ def skip_configs(num_layers: int, targets: list[float], max_new_tokens: int):
     return configs
 
 
+def tuned_configs(num_layers: int, tuned, targets: list[float], max_new_tokens: int):
+    """``skip_configs`` with each SkipDecode config also run on ``tuned`` (adapters merged), side by side."""
+    configs = [EvalConfig("full"), EvalConfig("full tuned", model=tuned)]
+    for config in skip_configs(num_layers, targets, max_new_tokens)[1:]:
+        configs += [config, replace(config, label=f"{config.label} tuned", model=tuned)]
+    return configs
+
+
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     def cell(v):
         return f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))
@@ -272,6 +283,8 @@ def main(args) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    if "tuned" in args.suite and not args.adapter:
+        raise InputError("the tuned suite needs --adapter DIR (an adapter written by `python -m skipkey finetune`)")
     loaded = load(args.model, args.device, args.dtype)
     prompts = (ORDINARY_PROMPTS * 2)[: args.prompts]
     result = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype),
@@ -282,6 +295,17 @@ def main(args) -> int:
         result["skip"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
         print(markdown_table(result["skip"], ["policy", "target", "token_agreement", "first_divergence_median",
                                               "rouge_l", "ppl_of_full_continuations"]))
+    if "tuned" in args.suite:
+        from skipkey.finetune import load_tuned, read_metadata
+
+        log("# SkipDecode quality, untuned vs tuned")
+        tuned = load_tuned(loaded, args.adapter)
+        meta = read_metadata(args.adapter)
+        result["adapter"] = {"dir": args.adapter, **{k: meta[k] for k in ("schedule", "date", "command")}}
+        configs = tuned_configs(loaded.num_layers, tuned, args.targets, args.max_new_tokens)
+        result["tuned"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
+        print(markdown_table(result["tuned"], ["label", "token_agreement", "first_divergence_median", "rouge_l",
+                                               "ppl_of_full_continuations"]))
     if "kv" in args.suite:
         log("# KV policies")
         configs = kv_configs(loaded.num_layers, args.kv_policies, args.budgets, args.seed, args.max_new_tokens)

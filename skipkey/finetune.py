@@ -1,0 +1,619 @@
+"""SkipDecode's training: LoRA adapters fine-tuned with the skip policy in place.
+
+Del Corro et al. (2023, arXiv 2307.02628) fine-tune the model with its skip
+schedule in the forward pass, one LM loss at the top and no exit heads: off the
+shelf, the upper layers never saw the hidden states of the lower ones they now
+follow. To fit a 2-core CPU and a committable file, only LoRA adapters (Hu et
+al. 2021) on every decoder layer's attention and MLP projections train here;
+the base weights stay frozen. ``load_tuned`` merges them into a copy of the
+weights, so a tuned model decodes exactly as fast as the untuned one.
+
+The steps, in order (``train`` runs them):
+
+1. ``training_prompts``: seeded, varied prompts (topics in templates, code
+   openers, passages of Python's own help text, ``pydoc_data``), none of them
+   ``evaluate.ORDINARY_PROMPTS``, which stay held out.
+2. ``build_dataset``: the full model's greedy continuations of those prompts
+   (the engine, as the evaluation's references are made) and its top-k
+   log-probabilities at every continuation position, for self-distillation.
+   Cached under the SkipKey cache, so a resumed run does not redo it.
+3. The loop: per batch a schedule (a target speedup drawn uniformly from a
+   range, or one fixed target); the batched teacher-forced forward with ``E(t)``
+   in place; loss = LM loss on the continuation + ``kl_weight`` x KL(full model ||
+   skipping model); AdamW with warm-up and cosine decay; a checkpoint every few
+   steps. Batches and schedules are functions of (seed, step), so resuming
+   gives the same run as not stopping.
+4. ``save_adapter``: peft's adapter files plus ``skipkey_adapter.json`` (base
+   model and its fingerprint, schedule range, data, steps, losses, command).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, require_float, require_int
+from skipkey.engine import Engine, get_adapter
+from skipkey.errors import InputError, ModelLoadError
+from skipkey.skipdecode import make_skipdecode
+from skipkey.teacher_forced import teacher_forced_logits_batch
+
+ADAPTER_FORMAT = "skipkey-skipdecode-lora/1"
+METADATA_FILE = "skipkey_adapter.json"
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+CHECKPOINT_FILE = "checkpoint.pt"
+TUNED_SUFFIX = "+skipdecode-lora"
+TEACHER_TOP_K = 64  # teacher log-probs kept per position: almost all the mass, 64 x 8 bytes each
+PROMPTS_VERSION = 1  # bump when training_prompts changes, so cached data is rebuilt
+GRAD_CLIP = 1.0
+WEIGHTS_RTOL = 1e-3  # a dtype cast moves the layer-0 checksum by ~1e-6; other weights by far more
+
+
+# -- configuration ------------------------------------------------------------------
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Everything that defines a run; ``command`` rebuilds the CLI line from it."""
+
+    model: str = "embedded"
+    out: str = "assets/skipdecode-lora"
+    steps: int = 100
+    batch_size: int = 8
+    lr: float = 1e-3
+    warmup_steps: int = 8
+    min_lr_ratio: float = 0.1
+    rank: int = 8
+    alpha: float = 16.0
+    kl_weight: float = 1.0
+    targets: tuple[float, ...] = (1.5, 3.0)  # one value: fixed; two: uniform range, drawn per batch
+    gen_len: int = 64  # continuation tokens; the schedule covers its gen_len - 1 decode steps
+    sequences: int = 320
+    seed: int = 0
+    checkpoint_every: int = 10
+    device: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        require_int("steps", self.steps, 1, 1_000_000)
+        require_int("batch_size", self.batch_size, 1, 256)
+        require_float("lr", self.lr, 0.0, 1.0, lo_open=True)
+        require_int("warmup_steps", self.warmup_steps, 0, 1_000_000)
+        require_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        require_int("rank", self.rank, 1, 1024)
+        require_float("alpha", self.alpha, 0.0, 1e4, lo_open=True)
+        require_float("kl_weight", self.kl_weight, 0.0, 100.0)
+        require_int("gen_len", self.gen_len, 2, MAX_NEW_TOKENS_CAP)
+        require_int("sequences", self.sequences, self.batch_size, 1_000_000)
+        require_int("seed", self.seed, 0, 2**31 - 1)
+        require_int("checkpoint_every", self.checkpoint_every, 1, 1_000_000)
+        targets = tuple(float(require_float("target", t, 1.0, 100.0)) for t in self.targets)
+        if len(targets) not in (1, 2) or targets[0] > targets[-1]:
+            raise InputError(f"targets must be one speedup (fixed) or two, low then high (a range), got {self.targets}")
+        object.__setattr__(self, "targets", targets)
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.gen_len - 1
+
+    def command(self) -> str:
+        """The CLI line that makes this run (every setting spelled out)."""
+        args = ["python", "-m", "skipkey", "finetune"]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            args += [flag, *map(str, value)] if isinstance(value, tuple) else [flag, str(value)]
+        return shlex.join(args)
+
+
+def _resume_key(cfg: FinetuneConfig) -> dict:
+    """The settings a checkpoint must share with the run that resumes it."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("checkpoint_every", "device")}
+
+
+# -- data -------------------------------------------------------------------------------
+SUBJECTS = [
+    "volcanoes", "the printing press", "honeybees", "public libraries", "the violin", "glaciers",
+    "the Silk Road", "vaccines", "coral reefs", "the steam engine", "jazz", "origami", "lighthouses",
+    "the human heart", "black holes", "green tea", "the Great Wall of China", "penguins", "solar panels",
+    "the Renaissance", "earthquakes", "bicycles", "rainforests", "the immune system", "railways", "cheese",
+    "typewriters", "the Olympic Games", "deserts", "electric cars", "the Internet", "mushrooms", "windmills",
+    "ancient Egypt", "the piano", "recycling", "submarines", "the alphabet", "hurricanes", "the Vikings",
+    "suspension bridges", "coffee", "telescopes", "wolves", "the Amazon River", "paper money", "clocks",
+    "butterflies", "the Industrial Revolution", "museums", "satellites", "rice farming", "the Sahara",
+    "vitamins", "castles", "photography", "octopuses", "democracy", "gardening", "the Byzantine Empire",
+    "spreadsheets", "compilers", "the blockchain", "sewing machines", "opera", "marathons", "maple syrup",
+]
+TEMPLATES = [
+    "The history of {s} begins", "A short introduction to {s}.\n\n", "Here are five facts about {s}:\n1.",
+    "Q: What should everyone know about {s}?\nA:", "Chapter 1: {S}\n\n", "My grandmother often told me about {s}.",
+    "Encyclopedia entry: {S}.", "In this essay I will argue that {s}", "Notes from a lecture on {s}:",
+    "The most surprising thing about {s} is", "A children's story about {s}. Once", "Title: A beginner's guide to {s}\n\n",
+    "Scientists who study {s} recently found", "Just learned something amazing about {s}!",
+    "An interview with an expert on {s}.\nQ:", "Pros and cons of {s}:\n-", "A poem about {s}:\n\n",
+    "Dear diary, today I visited an exhibition about {s}.", "If you have ever wondered about {s},",
+]
+CODE_PROMPTS = [
+    "def parse_config(path):\n", "class Inventory:\n    \"\"\"", "import os\nimport sys\n\n\ndef main():\n",
+    "# Read a CSV file and print the average of each column\nimport csv\n", "function debounce(fn, wait) {\n",
+    "#include <stdio.h>\n\nint main(void) {\n", "<!DOCTYPE html>\n<html>\n<head>\n  <title>",
+    "def merge_sorted(a, b):\n    \"\"\"", "CREATE TABLE users (\n", "$ git log --oneline\n",
+    "fn main() {\n    let", "public class Point {\n    private", "for (let i = 0; i < items.length; i++) {\n",
+    "def is_prime(n: int) -> bool:\n", "# Installation\n\nTo install the package, run", "import numpy as np\n\n",
+]
+
+
+def _doc_passages() -> list[str]:
+    """Prose paragraphs of Python's help topics (``pydoc_data``, shipped with Python)."""
+    from pydoc_data.topics import topics
+
+    passages = []
+    for key in sorted(topics):
+        for para in topics[key].split("\n\n"):
+            text = " ".join(para.split())
+            if para[:1].isalpha() and len(text) > 80 and not set(text) & set("*=|"):
+                passages.append(text)
+    return passages
+
+
+def training_prompts(count: int, seed: int = 0) -> list[str]:
+    """``count`` distinct prompts, seeded: half topic templates, a fifth code, the rest help-text openings.
+
+    None is one of ``evaluate.ORDINARY_PROMPTS`` (the held-out prompts), and the
+    subjects avoid their topics.
+    """
+    from skipkey.evaluate import ORDINARY_PROMPTS
+
+    rng = random.Random(seed)
+    passages = _doc_passages()
+    held_out = set(ORDINARY_PROMPTS)
+    prompts: list[str] = []
+    seen = set(held_out)
+    while len(prompts) < count:
+        kind = len(prompts) % 10
+        if kind < 5:
+            subject = rng.choice(SUBJECTS)
+            prompt = rng.choice(TEMPLATES).format(s=subject, S=subject[:1].upper() + subject[1:])
+        elif kind < 7:
+            prompt = rng.choice(CODE_PROMPTS)
+            if prompt in seen:  # few code openers: vary them by a preceding comment
+                prompt = f"# {rng.choice(SUBJECTS)} helper, version {rng.randint(2, 99)}\n{prompt}"
+        else:
+            words = rng.choice(passages).split()
+            prompt = " ".join(words[: rng.randint(8, 30)])
+        if prompt not in seen:
+            seen.add(prompt)
+            prompts.append(prompt)
+    assert not held_out & set(prompts)
+    return prompts
+
+
+def fingerprint(model) -> dict:
+    """What identifies a base model: its shape, and a checksum of layer 0's weights (dtype-robust)."""
+    cfg = model.config.get_text_config()
+    layer0 = get_adapter(model).layers[0]
+    return {
+        "model_type": cfg.model_type,
+        "num_layers": int(cfg.num_hidden_layers),
+        "hidden_size": int(cfg.hidden_size),
+        "vocab_size": int(cfg.vocab_size),
+        "num_attention_heads": int(cfg.num_attention_heads),
+        "layer0_abs_sum": float(sum(p.detach().double().abs().sum() for p in layer0.parameters())),
+    }
+
+
+def _data_path(loaded, cfg: FinetuneConfig) -> Path:
+    from skipkey.loading import cache_root
+
+    key = json.dumps([loaded.name, fingerprint(loaded.model), cfg.sequences, cfg.gen_len, cfg.seed,
+                      TEACHER_TOP_K, PROMPTS_VERSION], sort_keys=True)
+    return cache_root() / "finetune" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+
+def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> dict:
+    """Prompts, the full model's greedy continuations and its top-k log-probs there (cached)."""
+    path = _data_path(loaded, cfg)
+    if path.is_file():
+        log(f"data: cached {path}")
+        return torch.load(path)
+    prompts = training_prompts(cfg.sequences, cfg.seed)
+    engine = Engine(loaded)
+    adapter = engine.adapter
+    settings = GenerationSettings(max_new_tokens=cfg.gen_len, ignore_eos=True)  # as the eval's references
+    prompt_ids, continuations, teacher_logp, teacher_ids = [], [], [], []
+    started = time.perf_counter()
+    for first in range(0, len(prompts), chunk):
+        ids = engine.encode(prompts[first:first + chunk], cfg.gen_len)
+        steps = [event.tokens for event in engine.generate(ids, settings)]
+        part = {"prompt_ids": ids, "continuations": torch.tensor(steps).T}
+        prompt_ids += ids
+        continuations.append(part["continuations"])
+        for sub in range(0, len(ids), 8):  # the teacher pass, 8 rows at a time to bound memory
+            batch = make_batch(part, list(range(sub, min(sub + 8, len(ids)))), cfg.gen_len)
+            with torch.inference_mode():
+                logits = teacher_forced_logits_batch(adapter, batch["input_ids"], batch["prompt_lens"],
+                                                     attention_mask=batch["attention_mask"],
+                                                     logits_at=batch["logits_at"])
+                top = torch.log_softmax(logits, dim=-1).topk(TEACHER_TOP_K, dim=-1)
+            rows = len(batch["prompt_lens"])
+            teacher_logp.append(top.values.view(rows, cfg.gen_len, -1).cpu())
+            teacher_ids.append(top.indices.view(rows, cfg.gen_len, -1).to(torch.int32).cpu())
+        done = len(prompt_ids)
+        rate = (time.perf_counter() - started) / done
+        log(f"data: {done}/{len(prompts)} sequences, {rate:.1f} s each, ETA {rate * (len(prompts) - done) / 60:.1f} min")
+    data = {"prompts": prompts, "prompt_ids": prompt_ids, "continuations": torch.cat(continuations).cpu(),
+            "teacher_logp": torch.cat(teacher_logp), "teacher_ids": torch.cat(teacher_ids),
+            "seconds": time.perf_counter() - started}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
+    log(f"data: {len(prompts)} sequences in {data['seconds'] / 60:.1f} min, cached in {path}")
+    return data
+
+
+def epoch_batches(prompt_lens: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's batches: shuffled, then rows of similar prompt length together (less padding to run)."""
+    rng = random.Random(seed * 7919 + epoch)
+    order = list(range(len(prompt_lens)))
+    rng.shuffle(order)
+    batches = []
+    pool = batch_size * 8
+    for start in range(0, len(order) - batch_size + 1, pool):
+        group = sorted(order[start:start + pool], key=lambda i: prompt_lens[i])
+        batches += [group[i:i + batch_size] for i in range(0, len(group) - batch_size + 1, batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def batch_rows(data: dict, step: int, cfg: FinetuneConfig) -> list[int]:
+    lens = [len(p) for p in data["prompt_ids"]]
+    per_epoch = len(epoch_batches(lens, cfg.batch_size, cfg.seed, 0))
+    return epoch_batches(lens, cfg.batch_size, cfg.seed, step // per_epoch)[step % per_epoch]
+
+
+def make_batch(data: dict, rows: list[int], gen_len: int) -> dict:
+    """Left-padded ``prompt + continuation[:-1]``, so step ``t`` sits in the same slot in every row.
+
+    ``logits_at`` marks the ``gen_len`` slots whose logits predict the continuation.
+    """
+    prompts = [data["prompt_ids"][r] for r in rows]
+    conts = data["continuations"][rows]
+    width = max(map(len, prompts)) + gen_len - 1
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (prompt, cont) in enumerate(zip(prompts, conts)):
+        seq = torch.cat([torch.tensor(prompt), cont[:-1]])
+        input_ids[i, width - len(seq):] = seq
+        attention_mask[i, width - len(seq):] = 1
+    logits_at = torch.zeros_like(input_ids, dtype=torch.bool)
+    logits_at[:, width - gen_len:] = True
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_at": logits_at,
+             "prompt_lens": [len(p) for p in prompts], "targets": conts.reshape(-1)}
+    if "teacher_logp" in data:
+        batch["teacher_logp"] = data["teacher_logp"][rows].reshape(len(rows) * gen_len, -1)
+        batch["teacher_ids"] = data["teacher_ids"][rows].reshape(len(rows) * gen_len, -1).long()
+    return batch
+
+
+# -- schedule, loss, learning rate ----------------------------------------------------------
+def draw_layer_sets(num_layers: int, cfg: FinetuneConfig, step: int) -> tuple[float, list[tuple[int, ...]]]:
+    """This step's target speedup and its ``E(t)`` (the paper's top-layer policy), seeded by step."""
+    low, high = cfg.targets[0], cfg.targets[-1]
+    target = low if low == high else random.Random(cfg.seed * 1_000_003 + step).uniform(low, high)
+    skip = make_skipdecode(num_layers, cfg.schedule_steps, target=target)
+    return target, skip.plan(num_layers).layer_sets(cfg.schedule_steps)
+
+
+def distill_kl(logq: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
+    """Mean KL(teacher || student) over the teacher's top-k tokens plus one bucket for all the others.
+
+    A lower bound of the full KL, exact when the top-k hold all the teacher's mass.
+    """
+    logq_top = logq.gather(-1, teacher_ids)
+    p_top = teacher_logp.exp()
+    kl_top = (p_top * (teacher_logp - logq_top)).sum(-1)
+    log_rest_p = torch.log((-torch.expm1(torch.logsumexp(teacher_logp, -1))).clamp(min=1e-12))
+    log_rest_q = torch.log((-torch.expm1(torch.logsumexp(logq_top, -1))).clamp(min=1e-12))
+    return (kl_top + log_rest_p.exp() * (log_rest_p - log_rest_q)).mean()
+
+
+def skipdecode_loss(adapter, batch: dict, layer_sets, kl_weight: float):
+    """(loss, LM loss, KL) of the skipping model on the batch's continuations."""
+    logits = teacher_forced_logits_batch(adapter, batch["input_ids"], batch["prompt_lens"], layer_sets,
+                                         attention_mask=batch["attention_mask"], logits_at=batch["logits_at"])
+    logq = torch.log_softmax(logits, dim=-1)
+    lm = F.nll_loss(logq, batch["targets"])
+    kl = distill_kl(logq, batch["teacher_logp"], batch["teacher_ids"]) if kl_weight > 0 else lm.new_zeros(())
+    return lm + kl_weight * kl, lm, kl
+
+
+def learning_rate(step: int, cfg: FinetuneConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` (as nanoGPT)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# -- LoRA, checkpoints ----------------------------------------------------------------------
+def lora_targets(model) -> list[str]:
+    """Names of the linear projections inside a decoder layer (attention and MLP) in this family."""
+    layer = get_adapter(model).layers[0]
+    return sorted({name.rsplit(".", 1)[-1] for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def add_lora(model, cfg: FinetuneConfig, targets: list[str]):
+    """Wrap ``model`` (in place) with trainable LoRA adapters on ``targets`` in every layer; base weights frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=targets, bias="none")
+    torch.manual_seed(cfg.seed)  # lora_A's initialisation
+    return get_peft_model(model, config)
+
+
+def trainable(peft_model) -> dict[str, torch.nn.Parameter]:
+    return {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(path: Path, step: int, peft_model, optimizer, history: list, seconds: float,
+                    cfg: FinetuneConfig) -> None:
+    state = {"step": step, "lora": {k: v.detach().clone() for k, v in trainable(peft_model).items()},
+             "optimizer": optimizer.state_dict(), "history": history, "seconds": seconds,
+             "config": _resume_key(cfg)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)  # a run killed mid-save keeps the previous checkpoint
+
+
+def load_checkpoint(path: Path, peft_model, optimizer, cfg: FinetuneConfig) -> dict:
+    try:
+        state = torch.load(path)
+    except Exception as error:
+        raise ModelLoadError(f"Cannot read the checkpoint {path}: {error}; pass --restart to start over.") from error
+    if state.get("config") != _resume_key(cfg):
+        theirs = state.get("config") or {}
+        diff = {k: (theirs.get(k), v) for k, v in _resume_key(cfg).items() if theirs.get(k) != v}
+        raise InputError(f"the checkpoint in {path.parent} was made with other settings "
+                         f"({', '.join(f'{k}: {a} there, {b} now' for k, (a, b) in diff.items())}); "
+                         "use the same settings to resume, or --restart to start over")
+    with torch.no_grad():
+        for name, param in trainable(peft_model).items():
+            param.copy_(state["lora"][name])
+    optimizer.load_state_dict(state["optimizer"])
+    return state
+
+
+def default_work_dir(out: str) -> Path:
+    from skipkey.loading import cache_root
+
+    where = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:8]
+    return cache_root() / "finetune" / f"run-{Path(out).name}-{where}"
+
+
+# -- the run ------------------------------------------------------------------------------
+def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bool = False,
+          work_dir: str | Path | None = None, log=print) -> dict:
+    """Fine-tune LoRA adapters with SkipDecode in place; write them to ``cfg.out``; return the metadata.
+
+    ``loaded`` (default: load ``cfg.model``) is wrapped during the run and
+    restored afterwards.
+    """
+    from skipkey.loading import load_model
+
+    work = Path(work_dir) if work_dir is not None else default_work_dir(cfg.out)
+    ckpt = work / CHECKPOINT_FILE
+    if ckpt.exists() and not (resume or restart):
+        raise InputError(f"a checkpoint already exists in {work}; pass --resume to continue it "
+                         "or --restart to start over")
+    if resume and not ckpt.exists():
+        raise InputError(f"nothing to resume: no checkpoint in {work}")
+    if restart and ckpt.exists():
+        ckpt.unlink()
+    if loaded is None:
+        loaded = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    num_layers = loaded.num_layers
+    for target in cfg.targets:  # refuse a target the model cannot reach before any work is done
+        make_skipdecode(num_layers, cfg.schedule_steps, target=target)
+    base_fingerprint, targets = fingerprint(loaded.model), lora_targets(loaded.model)
+    data = build_dataset(loaded, cfg, log)
+    device = next(loaded.model.parameters()).device
+    peft_model = add_lora(loaded.model, cfg, targets)
+    try:
+        adapter = get_adapter(loaded.model)
+        params = trainable(peft_model)
+        optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
+        history, seconds, start = [], 0.0, 0
+        if resume:
+            state = load_checkpoint(ckpt, peft_model, optimizer, cfg)
+            history, seconds, start = state["history"], state["seconds"], state["step"]
+            log(f"resumed from step {start} ({ckpt})")
+        log(f"training {sum(p.numel() for p in params.values()):,} LoRA parameters (rank {cfg.rank}) on "
+            f"{len(data['prompt_ids'])} sequences, {cfg.steps} steps of {cfg.batch_size}, targets {cfg.targets}")
+        for step in range(start, cfg.steps):
+            started = time.perf_counter()
+            lr = learning_rate(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            target, layer_sets = draw_layer_sets(num_layers, cfg, step)
+            batch = {k: v.to(device) if torch.is_tensor(v) else v
+                     for k, v in make_batch(data, batch_rows(data, step, cfg), cfg.gen_len).items()}
+            loss, lm, kl = skipdecode_loss(adapter, batch, layer_sets, cfg.kl_weight)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params.values(), GRAD_CLIP)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            took = time.perf_counter() - started
+            seconds += took
+            history.append({"step": step + 1, "loss": loss.item(), "lm": lm.item(), "kl": kl.item(),
+                            "target": round(target, 3), "lr": lr, "seconds": round(took, 2)})
+            log(f"step {step + 1}/{cfg.steps} | loss {loss.item():.3f} (lm {lm.item():.3f}, kl {kl.item():.3f}) | "
+                f"target {target:.2f}x | lr {lr:.1e} | {took:.1f} s | ETA {took * (cfg.steps - step - 1) / 60:.0f} min")
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                save_checkpoint(ckpt, step + 1, peft_model, optimizer, history, seconds, cfg)
+        metadata = describe_run(cfg, loaded, base_fingerprint, targets, history, seconds, data)
+        save_adapter(peft_model, cfg.out, metadata)
+        log(f"adapter written to {cfg.out} ({adapter_megabytes(cfg.out):.1f} MB) after {seconds / 60:.1f} min")
+        return metadata
+    finally:
+        peft_model.unload()  # give the caller back its model, without adapters
+
+
+def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: list[str], history: list,
+                 seconds: float, data: dict) -> dict:
+    import peft
+    import transformers
+
+    def mean(key, rows):
+        return round(sum(h[key] for h in rows) / len(rows), 4) if rows else None
+
+    every = max(1, len(history) // 25)
+    return {
+        "format": ADAPTER_FORMAT,
+        "base_model": loaded.name,
+        "base_fingerprint": base_fingerprint,
+        "method": "SkipDecode (Del Corro et al. 2023, arXiv 2307.02628) fine-tuning with LoRA adapters; "
+                  "the paper's top-layer policy in the forward pass",
+        "schedule": {"kind": "linear", "policy": "top", "warmup": 1, "targets": list(cfg.targets),
+                     "draw": "fixed" if len(cfg.targets) == 1 else "uniform per batch",
+                     "continuation_tokens": cfg.gen_len, "decode_steps": cfg.schedule_steps},
+        "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": 0.0, "target_modules": targets},
+        "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed, "prompts": "skipkey.finetune.training_prompts: "
+                 "topic templates, code openers and Python help-text passages (pydoc_data); none held out",
+                 "continuations": f"the full model's greedy {cfg.gen_len} tokens (the engine, EOS ignored)",
+                 "teacher": f"the full model's top-{TEACHER_TOP_K} log-probs at each continuation position",
+                 "generation_minutes": round(data.get("seconds", 0) / 60, 1)},
+        "training": {"steps": len(history), "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup_steps": cfg.warmup_steps,
+                     "min_lr_ratio": cfg.min_lr_ratio, "kl_weight": cfg.kl_weight, "optimizer": "AdamW",
+                     "grad_clip": GRAD_CLIP, "dtype": str(loaded.dtype).replace("torch.", ""),
+                     "device": str(loaded.device), "threads": torch.get_num_threads(),
+                     "minutes": round(seconds / 60, 1)},
+        "loss": {"first_10": {k: mean(k, history[:10]) for k in ("loss", "lm", "kl")},
+                 "last_10": {k: mean(k, history[-10:]) for k in ("loss", "lm", "kl")},
+                 "curve": [[h["step"], round(h["loss"], 4), round(h["lm"], 4), round(h["kl"], 4), h["target"]]
+                           for h in history[every - 1::every]],
+                 "curve_columns": ["step", "loss", "lm", "kl", "target"]},
+        "date": time.strftime("%Y-%m-%d"),
+        "command": cfg.command(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
+    }
+
+
+def save_adapter(peft_model, out: str | Path, metadata: dict) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    peft_model.peft_config["default"].base_model_name_or_path = metadata["base_model"]
+    peft_model.save_pretrained(str(out), save_embedding_layers=False)  # none trained; skips a Hub lookup
+    (out / "README.md").unlink(missing_ok=True)  # peft's empty model-card template; the metadata says it all
+    (out / METADATA_FILE).write_text(json.dumps(metadata, indent=1) + "\n")
+
+
+def adapter_megabytes(directory: str | Path) -> float:
+    return sum(f.stat().st_size for f in Path(directory).iterdir() if f.is_file()) / 2**20
+
+
+# -- use -----------------------------------------------------------------------------------
+def read_metadata(adapter_dir: str | Path) -> dict:
+    """The adapter's ``skipkey_adapter.json``, or a clear error about what is missing."""
+    directory = Path(adapter_dir).expanduser()
+    if not directory.is_dir():
+        raise InputError(f"adapter directory {str(adapter_dir)!r} does not exist; pass the folder "
+                         "`python -m skipkey finetune` wrote (e.g. assets/skipdecode-lora)")
+    missing = [name for name in (METADATA_FILE, *PEFT_FILES) if not (directory / name).is_file()]
+    if missing:
+        raise ModelLoadError(f"{directory} is not a SkipDecode adapter: {', '.join(missing)} missing "
+                             "(make one with `python -m skipkey finetune`)")
+    try:
+        meta = json.loads((directory / METADATA_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"Cannot read {directory / METADATA_FILE}: {error}") from error
+    if not isinstance(meta, dict) or meta.get("format") != ADAPTER_FORMAT:
+        raise ModelLoadError(f"{directory / METADATA_FILE} is not in the format {ADAPTER_FORMAT!r}")
+    return meta
+
+
+def check_compatible(meta: dict, loaded, where: str | Path = "the adapter") -> None:
+    """Refuse an adapter trained for another model (name, shape or weights)."""
+    trained_for = meta.get("base_model")
+    if trained_for != loaded.name:
+        raise ModelLoadError(f"the adapter in {where} was trained for model {trained_for!r}, not {loaded.name!r}; "
+                             f"load it with --model {trained_for}")
+    expected, actual = meta.get("base_fingerprint") or {}, fingerprint(loaded.model)
+    shape = [f"{k} {expected.get(k)} there, {actual[k]} here" for k in actual
+             if k != "layer0_abs_sum" and expected.get(k) != actual[k]]
+    if shape:
+        raise ModelLoadError(f"the adapter in {where} does not fit this {loaded.name!r} model: {'; '.join(shape)}")
+    checksum = expected.get("layer0_abs_sum")
+    if checksum is None or not math.isclose(checksum, actual["layer0_abs_sum"], rel_tol=WEIGHTS_RTOL):
+        raise ModelLoadError(f"the adapter in {where} was trained on other weights than this {loaded.name!r} "
+                             f"(layer-0 checksum {checksum} there, {actual['layer0_abs_sum']:.6g} here)")
+
+
+def _copy_for_merge(model, target_modules: list[str]):
+    """A copy of ``model`` whose LoRA-targeted weights are its own; every other tensor is shared.
+
+    The embedding (a 262k-row table for Gemma 3) is most of a small model and no
+    adapter touches it, so the tuned copy costs only the decoder layers' memory.
+    """
+    targeted = {id(m.weight) for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules}
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in targeted}
+    engine_adapter = getattr(model, "_skipkey_adapter", None)
+    if engine_adapter is not None:
+        memo[id(engine_adapter)] = None  # the copy gets its own adapter on first use
+    return copy.deepcopy(model, memo)
+
+
+def load_tuned(loaded, adapter_dir: str | Path):
+    """A NEW ``LoadedModel``: ``loaded``'s weights with the SkipDecode LoRA adapters merged in.
+
+    Refuses an adapter trained for another model. Named ``<name>+skipdecode-lora``;
+    ``loaded`` itself is unchanged, and the two share every tensor the adapters
+    do not touch.
+    """
+    from peft import PeftModel
+
+    from skipkey.loading import LoadedModel
+
+    meta = read_metadata(adapter_dir)
+    directory = Path(adapter_dir).expanduser()
+    check_compatible(meta, loaded, directory)
+    model = _copy_for_merge(loaded.model, meta.get("lora", {}).get("target_modules") or lora_targets(loaded.model))
+    try:
+        merged = PeftModel.from_pretrained(model, str(directory), is_trainable=False).merge_and_unload()
+    except Exception as error:  # peft raises many kinds, with long text
+        first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ModelLoadError(f"Could not apply the adapter in {directory}: {first}") from error
+    merged.eval()
+    merged.requires_grad_(False)
+    return LoadedModel(model=merged, tokenizer=loaded.tokenizer, name=f"{loaded.name}{TUNED_SUFFIX}",
+                       device=loaded.device, dtype=loaded.dtype)
+
+
+def main(args) -> int:
+    """``python -m skipkey finetune``."""
+    cfg = FinetuneConfig(model=args.model, out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                         warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, rank=args.rank,
+                         alpha=args.alpha, kl_weight=args.kl_weight, targets=tuple(args.targets),
+                         gen_len=args.gen_len, sequences=args.sequences, seed=args.seed,
+                         checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype)
+    if args.resume and args.restart:
+        raise InputError("--resume and --restart exclude each other")
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    log(f"# {cfg.command()}")
+    train(cfg, resume=args.resume, restart=args.restart, work_dir=args.work_dir, log=log)
+    return 0

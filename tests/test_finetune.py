@@ -1,0 +1,194 @@
+"""SkipDecode fine-tuning on tiny models: it learns, resumes exactly, and its adapter only fits its own model."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from skipkey.cli import main as cli_main
+from skipkey.engine import get_adapter
+from skipkey.errors import InputError, ModelLoadError
+from skipkey.evaluate import ORDINARY_PROMPTS
+from skipkey.finetune import (
+    METADATA_FILE,
+    FinetuneConfig,
+    build_dataset,
+    draw_layer_sets,
+    fingerprint,
+    load_tuned,
+    make_batch,
+    skipdecode_loss,
+    train,
+    training_prompts,
+)
+from skipkey.tiny import tiny_model
+
+TINY = dict(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, gen_len=8, sequences=16, targets=(1.5, 2.5),
+            checkpoint_every=2)
+
+
+def quiet(msg):
+    pass
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKIPKEY_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny Gemma 3, and an adapter trained on it for a few steps."""
+    root = tmp_path_factory.mktemp("finetune")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SKIPKEY_CACHE", str(root / "cache"))
+        lm = tiny_model("gemma3")
+        cfg = FinetuneConfig(model=lm.name, out=str(root / "lora"), **{**TINY, "steps": 12})
+        train(cfg, lm, work_dir=root / "work", log=quiet)
+    return lm, cfg
+
+
+def test_training_prompts_are_seeded_varied_and_never_held_out():
+    prompts = training_prompts(200, seed=3)
+    assert prompts == training_prompts(200, seed=3) != training_prompts(200, seed=4)
+    assert len(set(prompts)) == 200 and not set(prompts) & set(ORDINARY_PROMPTS)
+    assert any(p.startswith(("def ", "class ", "#")) for p in prompts)  # code, prose and help text alike
+
+
+def test_training_reduces_the_skipping_loss_on_a_fixed_batch(trained):
+    lm, cfg = trained
+    data = build_dataset(lm, cfg, log=quiet)  # cached by the fixture's run
+    batch = make_batch(data, list(range(8)), cfg.gen_len)
+    _, layer_sets = draw_layer_sets(lm.num_layers, FinetuneConfig(**{**TINY, "targets": (2.0,)}), 0)
+    tuned = load_tuned(lm, cfg.out)
+    with torch.no_grad():
+        before = skipdecode_loss(get_adapter(lm.model), batch, layer_sets, cfg.kl_weight)[0]
+        after = skipdecode_loss(get_adapter(tuned.model), batch, layer_sets, cfg.kl_weight)[0]
+    assert after < 0.95 * before
+
+
+def test_load_tuned_merges_into_a_copy_and_leaves_the_base_alone(trained):
+    lm, cfg = trained
+    before = fingerprint(lm.model)
+    tuned = load_tuned(lm, cfg.out)
+    assert tuned.name == "tiny-gemma3+skipdecode-lora" and tuned.model is not lm.model
+    assert fingerprint(lm.model) == before  # training restored it, merging did not touch it
+    assert not any("lora" in name for name, _ in tuned.model.named_parameters())  # merged, no per-step adapter
+    assert tuned.model.get_input_embeddings().weight is lm.model.get_input_embeddings().weight  # shared
+    ids = torch.tensor([lm.tokenizer("Once upon a time")["input_ids"]])
+    with torch.no_grad():
+        assert (tuned.model(ids).logits - lm.model(ids).logits).abs().max() > 1e-3
+
+
+def test_adapter_files_are_small_and_say_how_they_were_made(trained):
+    _, cfg = trained
+    meta = json.loads((__import__("pathlib").Path(cfg.out) / METADATA_FILE).read_text())
+    assert meta["base_model"] == "tiny-gemma3" and meta["schedule"]["targets"] == [1.5, 2.5]
+    assert meta["training"]["steps"] == 12 and meta["command"].startswith("python -m skipkey finetune")
+    assert meta["loss"]["curve"] and meta["base_fingerprint"]["num_layers"] == 6
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(family="gemma3", seed=1), "other weights"),
+    (dict(family="gemma3", num_layers=4), "num_layers 6 there, 4 here"),
+    (dict(family="llama"), "trained for model 'tiny-gemma3', not 'tiny-llama'"),
+])
+def test_load_tuned_refuses_another_model(trained, other, message):
+    _, cfg = trained
+    with pytest.raises(ModelLoadError, match=message):
+        load_tuned(tiny_model(**other), cfg.out)
+
+
+def test_load_tuned_refuses_a_missing_or_foreign_directory(trained, tmp_path):
+    lm, _ = trained
+    with pytest.raises(InputError, match="does not exist"):
+        load_tuned(lm, tmp_path / "nowhere")
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="skipkey_adapter.json, adapter_model.safetensors missing"):
+        load_tuned(lm, tmp_path)
+
+
+def test_checkpoint_and_resume_give_the_same_state(cache):
+    straight = FinetuneConfig(model="tiny-gemma3", out=str(cache / "straight"), **TINY)
+    train(straight, tiny_model("gemma3"), work_dir=cache / "w1", log=quiet)
+
+    stopped = FinetuneConfig(model="tiny-gemma3", out=str(cache / "stopped"), **TINY)
+
+    def killed_at_step_4(msg):
+        if msg.startswith("step 4/"):
+            raise KeyboardInterrupt  # after step 4's update, before its checkpoint: resume redoes step 3 and 4
+
+    with pytest.raises(KeyboardInterrupt):
+        train(stopped, tiny_model("gemma3"), work_dir=cache / "w2", log=killed_at_step_4)
+    with pytest.raises(InputError, match="pass --resume"):
+        train(stopped, tiny_model("gemma3"), work_dir=cache / "w2", log=quiet)
+    other = FinetuneConfig(model="tiny-gemma3", out=str(cache / "stopped"), **{**TINY, "lr": 5e-3})
+    with pytest.raises(InputError, match="lr: 0.01 there, 0.005 now"):
+        train(other, tiny_model("gemma3"), work_dir=cache / "w2", resume=True, log=quiet)
+    train(stopped, tiny_model("gemma3"), work_dir=cache / "w2", resume=True, log=quiet)
+
+    a = load_file(str(cache / "straight" / "adapter_model.safetensors"))
+    b = load_file(str(cache / "stopped" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    losses = [json.loads((cache / d / METADATA_FILE).read_text())["loss"]["curve"] for d in ("straight", "stopped")]
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(targets=(3.0, 1.5)), "low then high"),
+    (dict(targets=(1.5, 2.0, 3.0)), "one speedup"),
+    (dict(targets=(0.5,)), "target must be in"),
+    (dict(steps=0), "steps must be in"),
+    (dict(rank=0), "rank must be in"),
+    (dict(lr=0.0), "lr must be in"),
+])
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        FinetuneConfig(**kwargs)
+
+
+def test_a_target_the_model_cannot_reach_is_refused_before_any_work(cache):
+    cfg = FinetuneConfig(model="tiny-gemma3", out=str(cache / "x"), **{**TINY, "targets": (5.0,)})
+    with pytest.raises(InputError, match="target speedup must be from 1 to 3.00"):
+        train(cfg, tiny_model("gemma3"), work_dir=cache / "w", log=quiet)
+    assert not (cache / "cache").exists()  # no data was generated
+
+
+def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys):
+    model_dir = cache / "tiny-model"
+    lm = tiny_model("gemma3")
+    lm.model.save_pretrained(model_dir)
+    lm.tokenizer.save_pretrained(model_dir)
+    out = cache / "lora"
+    args = ["finetune", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--batch-size", "4",
+            "--sequences", "8", "--gen-len", "6", "--targets", "2", "--work-dir", str(cache / "w")]
+    assert cli_main(args) == 0
+    assert json.loads((out / METADATA_FILE).read_text())["schedule"]["draw"] == "fixed"
+    assert cli_main(args) == 2 and "pass --resume" in capsys.readouterr().err
+
+    code = cli_main(["generate", "--model", str(model_dir), "--adapter", str(out), "--prompt", "Hello",
+                     "--max-new-tokens", "4", "--skip-target", "2", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["model"].endswith("+skipdecode-lora")
+
+    code = cli_main(["bench", "--model", str(model_dir), "--adapter", str(out), "--max-new-tokens", "4",
+                     "--prompt-tokens", "8", "--repeats", "1", "--warmup", "0", "--no-generate",
+                     "--skip-target", "2", "--output", str(cache / "bench.json")])
+    names = [row["variant"] for row in json.loads((cache / "bench.json").read_text())[0]["rows"]]
+    assert code == 0 and len(names) == 3 and names[2].endswith("(tuned)")
+
+    code = cli_main(["eval", "--model", str(model_dir), "--suite", "tuned", "--adapter", str(out), "--prompts", "2",
+                     "--max-new-tokens", "6", "--targets", "2", "--output", str(cache / "eval.json")])
+    labels = [row["label"] for row in json.loads((cache / "eval.json").read_text())["tuned"]]
+    assert code == 0 and labels == ["full", "full tuned", "top 2.0x", "top 2.0x tuned", "importance 2.0x",
+                                    "importance 2.0x tuned"]
+    assert cli_main(["eval", "--model", str(model_dir), "--suite", "tuned"]) == 2
+    assert "needs --adapter" in capsys.readouterr().err
+
+    code = cli_main(["generate", "--model", str(model_dir), "--adapter", str(cache / "missing"), "--prompt", "Hi"])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
+    assert cli_main(["finetune", "--model", str(model_dir), "--targets", "3", "1.5"]) == 2
+    assert "low then high" in capsys.readouterr().err
