@@ -71,12 +71,16 @@ RETRIEVAL_PROMPT = (
     + "".join(f"Note {i}: {_RETRIEVAL_FILLER}\n\n" for i in range(2, 7))
     + "Question: What is the code to open the archive room?\nAnswer: The code to open the archive room is"
 )
+# prompt, max new tokens, KV eviction on, KV budget %, recent window %.
+# Short prompts leave a budget of a few tokens (it is a share of the prompt), so they run with the full cache.
+# In the retrieval prompt the first digit of the code comes from the prompt pass; the others need the cache
+# to still hold Note 1: on the embedded model, keyformer at 50% keeps more of it than h2o, and window none.
 EXAMPLES = [
-    # prompt, KV eviction on, KV budget %
-    ["The three primary colours of light are", False, 50],
-    ["Here is a short story about a robot who learns to paint.\n\nOnce upon a time,", False, 50],
-    ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False, 50],
-    [RETRIEVAL_PROMPT, True, 30],
+    ["The three primary colours of light are", DEFAULT_NEW_TOKENS, False, 50, 30],
+    ["Here is a short story about a robot who learns to paint.\n\nOnce upon a time,", DEFAULT_NEW_TOKENS, False, 50,
+     30],
+    ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", DEFAULT_NEW_TOKENS, False, 50, 30],
+    [RETRIEVAL_PROMPT, 8, True, 50, 10],
 ]
 EXAMPLE_LABELS = ["Colours", "Story", "Code", "Long-context retrieval (eviction matters)"]
 
@@ -164,7 +168,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
             except FutureTimeout:
                 if stop is not None and stop.is_set():
                     return None
-                yield (f"⏳ Loading model **{model}**… {time.perf_counter() - started:.0f} s "
+                yield (f"**Loading** model **{model}**… {time.perf_counter() - started:.0f} s "
                        "(the embedded model is converted once on first use, about 2 min on a small CPU; "
                        "later loads take seconds)", *(gr.skip(),) * others)
             except (InputError, ModelLoadError) as error:
@@ -177,7 +181,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
         """Load the chosen model (with progress) and fit the layer sliders to it."""
         loaded = yield from wait_for_model(model, others=5)
         L = loaded.num_layers
-        yield (f"✅ **{model}** ready: {L} layers, context {loaded.context_length} tokens, "
+        yield (f"**{model}** ready: {L} layers, context {loaded.context_length} tokens, "
                f"{loaded.device.type} / {str(loaded.dtype).removeprefix('torch.')}",
                *layer_slider_updates(L), gr.update(maximum=min(MAX_NEW_TOKENS_UI, loaded.context_length - 1)))
 
@@ -226,7 +230,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                 req = build_request(loaded.num_layers, **controls)
             except InputError as error:
                 raise _user_error(str(error)) from None
-            yield (f"▶️ Generating with **{model}**: {req.describe()}", "", "", "", "", "", "",
+            yield (f"**Generating** with **{model}**: {req.describe()}", "", "", "", "", "", "",
                    figures.message_figure("Layer usage appears with the first token."),
                    figures.message_figure("Retained tokens appear once the prompt is processed."),
                    gr.update(visible=False), None)
@@ -257,7 +261,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                 return
             final = _comparison_outputs(full, sk, loaded, prompt_texts, redraw=True, final=True)
             word = "Stopped" if sk.stopped else "Done"
-            yield (f"✅ {word}: {len(full.events)} + {len(sk.events)} tokens. {req.describe()}", *final[1:])
+            yield (f"**{word}**: {len(full.events)} + {len(sk.events)} tokens. {req.describe()}", *final[1:])
         finally:
             stop.set()
             if session is not None:
@@ -276,7 +280,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
         """Ends both streams of this browser session's running comparison at once."""
         session = _session(request)
         stopped = running.stop(session) if session is not None else 0
-        return "⏹ Stopped." if stopped else gr.skip()
+        return "**Stopped.**" if stopped else gr.skip()
 
     # -- page ------------------------------------------------------------------------
     with gr.Blocks(title="SkipKey: faster decoding, and why") as demo:
@@ -284,7 +288,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                     "one device. **SkipDecode** runs fewer layers per token (early exit, nested layer sets); "
                     "**Keyformer** keeps only a budget of key tokens in the KV cache. The heatmaps show which "
                     "layers produced each token and which tokens each layer still remembers.")
-        status = gr.Markdown("⏳ Loading the model…", elem_id="status")
+        status = gr.Markdown("Loading the model…", elem_id="status")
         with gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=EXAMPLES[0][0], elem_id="prompt")
@@ -327,7 +331,8 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
             with gr.Column():
                 with gr.Accordion("KV cache: keep a budget of key tokens", open=True):
                     with gr.Row():
-                        kv_on = gr.Checkbox(True, label="on")
+                        kv_on = gr.Checkbox(False, label="on",
+                                            info="the budget is a share of the prompt: for long prompts")
                         kv_policy = gr.Radio(KV_POLICY_CHOICES, value="keyformer", label="policy")
                     with gr.Row():
                         kv_budget_pct = gr.Slider(1, 100, value=50, step=1, label="KV budget (% of prompt)")
@@ -335,7 +340,8 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                     with gr.Row():
                         tau_init = gr.Slider(0.1, 5.0, value=1.0, step=0.1, label="tau init (Keyformer)")
                         tau_end = gr.Slider(0.1, 5.0, value=2.0, step=0.1, label="tau end (Keyformer)")
-                gr.Examples(EXAMPLES, inputs=[prompt, kv_on, kv_budget_pct], example_labels=EXAMPLE_LABELS,
+                gr.Examples(EXAMPLES, inputs=[prompt, max_new_tokens, kv_on, kv_budget_pct, kv_recent_pct],
+                            example_labels=EXAMPLE_LABELS,
                             label="Example prompts")
         with gr.Row(equal_height=False):
             with gr.Column():
@@ -419,7 +425,7 @@ def launch(demo: gr.Blocks, **kwargs):
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO)
+    logging.basicConfig()  # warnings and errors; request failures are logged with their traceback
     models = ModelCache()
     models.future(models.default)  # start loading now: the first request should not wait from scratch
     launch(build_demo(models=models))

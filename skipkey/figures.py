@@ -181,8 +181,7 @@ def retention_figure(trace: Trace, step: int | None = None, row: int = 0,
         height=height, margin=dict(l=55, r=20, t=45, b=10), font=FONT,
         plot_bgcolor="#f9fafb", paper_bgcolor="white",
     )
-    fig.update_xaxes(title_text="position (prompt, then generated)", range=[-0.5, width - 0.5],
-                     tickformat="d", rangeslider=dict(visible=width > 4 * WINDOW_TOKENS, thickness=0.08))
+    fig.update_xaxes(title_text="position (prompt, then generated)", range=[-0.5, width - 0.5], tickformat="d")
     _layer_axis(fig, L)
     return fig
 

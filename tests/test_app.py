@@ -208,7 +208,7 @@ def test_compare_streams_then_returns_everything(demo):
     outputs = run(demo, max_new_tokens=12)
     assert "Generating" in outputs[0][0]
     status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, state = outputs[-1]
-    assert status.startswith("✅ Done") and full_text and skip_text
+    assert status.startswith("**Done**") and full_text and skip_text
     assert "tokens/s" in full_md and "ms/token" in full_md and "first token" in full_md and "MB" in full_md
     assert "layers/token" in skip_md and "nominal speedup" in skip_md and "measured" in skip_md
     assert "% of full" in skip_md
@@ -258,7 +258,7 @@ def test_an_error_leaves_the_app_serving(tiny):
     demo = app.build_demo(loader=loader)
     with pytest.raises(gr.Error, match="disk on fire"):
         run(demo)
-    assert run(demo)[-1][0].startswith("✅ Done")
+    assert run(demo)[-1][0].startswith("**Done**")
 
 
 def test_a_crash_mid_generation_is_reported(demo, tiny, monkeypatch):
@@ -270,7 +270,7 @@ def test_a_crash_mid_generation_is_reported(demo, tiny, monkeypatch):
     with pytest.raises(gr.Error, match="Generation failed: RuntimeError: CUDA out of memory"):
         run(demo)
     monkeypatch.undo()
-    assert run(demo)[-1][0].startswith("✅ Done")
+    assert run(demo)[-1][0].startswith("**Done**")
 
 
 def test_stop_button_ends_the_sessions_run(demo):
@@ -280,7 +280,7 @@ def test_stop_button_ends_the_sessions_run(demo):
             assert len(demo.running) == 1
             assert demo.handlers["stop"](FakeRequest("other")) is not None  # another session's Stop: no effect
             assert len(demo.running) == 1
-            assert demo.handlers["stop"](FakeRequest("s1")) == "⏹ Stopped."
+            assert demo.handlers["stop"](FakeRequest("s1")) == "**Stopped.**"
     assert "Stopped" in _[0]
     assert len(demo.running) == 0
 
@@ -325,7 +325,7 @@ def test_select_model_reports_progress_while_loading(tiny):
 
     demo = app.build_demo(loader=slow)
     outputs = list(demo.handlers["select_model"]("embedded"))
-    assert any("Loading model" in o[0] for o in outputs[:-1])
+    assert any("**Loading** model" in o[0] for o in outputs[:-1])
     assert "ready" in outputs[-1][0]
 
 
@@ -367,3 +367,11 @@ def test_gpu_decorator_is_a_no_op_without_spaces():
     if importlib.util.find_spec("spaces") is not None:
         pytest.skip("the spaces package is installed: its ZeroGPU decorator is used")
     assert app.gpu(len) is len
+
+
+def test_a_model_that_cannot_load_gets_a_clear_message():
+    # The real loader, offline (conftest), for an allow-listed id that is not in the local cache.
+    demo = app.build_demo(allowed=("embedded", "skipkey-tests/not-cached-anywhere"))
+    with pytest.raises(gr.Error) as error:
+        list(demo.handlers["select_model"]("skipkey-tests/not-cached-anywhere"))
+    assert "is not in the local cache" in error.value.message

@@ -69,7 +69,7 @@ def test_endpoints_are_named(client):
 
 def test_a_full_comparison_returns_both_texts_and_both_figures(client, tiny):
     status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step = compare(client)
-    assert status.startswith("✅ Done") and full_text and skip_text
+    assert status.startswith("**Done**") and full_text and skip_text
     solo = Trace.collect(Engine(tiny), [PROMPTS[0]], GenerationSettings(max_new_tokens=8))
     assert full_text == solo.text()
     assert "tokens/s" in full_md and "layers/token" in skip_md and "Agreement" in agree
@@ -117,7 +117,7 @@ def test_four_concurrent_clients_all_complete_correctly(served, tiny):
         t.join(120)
     assert not errors, errors
     for i in range(4):
-        assert results[i][0].startswith("✅ Done"), results[i][0]
+        assert results[i][0].startswith("**Done**"), results[i][0]
         assert results[i][1] == expected[i], f"client {i} got another request's text"
         assert results[i][3]
 
@@ -142,7 +142,7 @@ def test_a_stopped_request_frees_its_slot(served, client):
     wait_until(lambda: len(demo.running) == 1, 30, "the cancelled run to release its slot")
     started = time.monotonic()
     result = compare(client, max_new_tokens=4)
-    assert result[0].startswith("✅ Done") and time.monotonic() - started < 30
+    assert result[0].startswith("**Done**") and time.monotonic() - started < 30
     assert len(demo.running) == 1, "the other long run is still going"
     long_jobs[1].cancel()
     wait_until(lambda: len(demo.running) == 0, 30, "the second cancelled run to end")

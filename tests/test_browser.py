@@ -100,13 +100,16 @@ def test_compare_and_stop_in_chromium(served, page, tmp_path):
     status = page.locator("#status")
     wait_until(lambda: "ready" in status.inner_text(), 60 * slow, "the model to load")
 
+    if SCREENSHOT:  # the picture: the long-context retrieval example, where eviction matters
+        page.get_by_text("Long-context retrieval").first.click()
+        wait_until(lambda: "archive room" in page.locator("#prompt textarea").input_value(), 10, "the example")
     # 2. A slider moves and the schedule preview redraws without running the model.
     wait_until(lambda: plotted(page, "schedule_preview"), 30, "the schedule preview")
     b_min = 10 if SCREENSHOT else 3
     set_slider(page, "b_min", b_min)
     wait_until(lambda: f"-> {b_min} layers" in page.locator("#schedule_preview").text_content(), 30,
                "the preview to follow the slider")
-    set_slider(page, "max_new_tokens", 40 if SCREENSHOT else 24)
+    set_slider(page, "max_new_tokens", 32 if SCREENSHOT else 24)
 
     # 3-4. Generate; both texts stream in and both heatmaps render as Plotly graphs.
     page.locator("#generate").click()
