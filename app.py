@@ -9,6 +9,7 @@ request edge, interleaved comparison) and ``skipkey.figures`` to components.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -26,7 +27,9 @@ from skipkey.app_logic import (
     build_request,
     compare,
     preview_schedule,
+    recorded_step,
     side_metrics,
+    thin_history,
 )
 from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
@@ -51,6 +54,9 @@ FIGURE_INTERVAL = 1.0  # ... and at most this often (s)
 TEXT_INTERVAL = 0.1  # stream text at most this often (s)
 CONCURRENCY = int(os.environ.get("SKIPKEY_CONCURRENCY", "2"))
 QUEUE_SIZE = int(os.environ.get("SKIPKEY_QUEUE_SIZE", "16"))
+# A finished run stays in its session for the step slider, bounded in time and in sessions held.
+STATE_TTL_S = 900
+STATE_SESSIONS = 64
 KV_POLICY_CHOICES = [name for name in ("keyformer", "h2o", "streaming", "window") if name in POLICIES]
 THEME = gr.themes.Soft(primary_hue="blue")
 CSS = """
@@ -272,9 +278,8 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
         if not state:
             return figures.message_figure("Generate first; then pick a step here.")
         trace, prompt_texts = state
-        last = len(trace.events) - 1
-        step = min(max(0, int(step)), last) if isinstance(step, (int, float)) else last
-        return figures.retention_figure(trace, step, position_texts=prompt_texts)
+        wanted = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else len(trace.events) - 1
+        return figures.retention_figure(trace, recorded_step(trace, wanted), position_texts=prompt_texts)
 
     def stop_handler(request: gr.Request = None):
         """Ends both streams of this browser session's running comparison at once."""
@@ -357,7 +362,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
         layer_plot = gr.Plot(label="Layer usage", elem_id="layer_plot")
         retention_plot = gr.Plot(label="Retained tokens", elem_id="retention_plot")
         step = gr.Slider(0, 1, value=1, step=1, label="retention after step", visible=False, elem_id="step")
-        last_run = gr.State(None, time_to_live=3600)
+        last_run = gr.State(None, time_to_live=STATE_TTL_S)  # this session's last run, for the step slider
 
         by_name = dict(prompt=prompt, model=model, max_new_tokens=max_new_tokens, decoding=decoding,
                        temperature=temperature, seed=seed, skip_on=skip_on, layer_policy=layer_policy,
@@ -407,7 +412,7 @@ def _comparison_outputs(full, sk, loaded, prompt_texts, *, redraw: bool, final: 
     if final and sk.events:
         last = len(sk.events) - 1
         step_update = gr.update(visible=True, minimum=0, maximum=max(1, last), value=last, interactive=last > 0)
-        state = (sk, prompt_texts)
+        state = (thin_history(sk), prompt_texts)
     else:
         step_update, state = skip, skip
     return (skip, full.text(), side_metrics(full).markdown(), sk.text(), side_metrics(sk, full).markdown(),
@@ -420,6 +425,7 @@ def launch(demo: gr.Blocks, **kwargs):
     kwargs.setdefault("theme", THEME)
     kwargs.setdefault("css", CSS)
     kwargs.setdefault("ssr_mode", False)
+    kwargs.setdefault("state_session_capacity", STATE_SESSIONS)
     kwargs["share"] = False
     return demo.launch(**kwargs)
 

@@ -15,6 +15,7 @@ Python, so tests call it directly with a tiny model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -243,6 +244,30 @@ def compare(loaded: LoadedModel, request: ComparisonRequest,
     finally:
         for stream in streams:
             stream.close()
+
+
+HISTORY_STEPS = 128  # steps whose kept positions a finished run holds for the step slider
+
+
+def thin_history(trace: Trace, steps: int = HISTORY_STEPS) -> Trace:
+    """A copy of ``trace`` holding kept positions for at most ``steps`` evenly spaced steps and the last.
+
+    What a session keeps after its run, for the retention slider: bounded whatever the run's length.
+    """
+    n = len(trace.events)
+    stride = max(1, math.ceil(n / steps))
+    keep = set(range(0, n, stride)) | {n - 1}
+    events = [e if i in keep or e.kept is None else dataclasses.replace(e, kept=None)
+              for i, e in enumerate(trace.events)]
+    return dataclasses.replace(trace, events=events)
+
+
+def recorded_step(trace: Trace, step: int) -> int:
+    """The latest step at or before ``step`` (clamped to the run) whose kept positions are held."""
+    step = min(max(0, step), len(trace.events) - 1)
+    while step > 0 and trace.events[step].kept is None:
+        step -= 1
+    return step
 
 
 # -- what the page shows ----------------------------------------------------------

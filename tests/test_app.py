@@ -375,3 +375,13 @@ def test_a_model_that_cannot_load_gets_a_clear_message():
     with pytest.raises(gr.Error) as error:
         list(demo.handlers["select_model"]("skipkey-tests/not-cached-anywhere"))
     assert "is not in the local cache" in error.value.message
+
+
+def test_a_finished_run_keeps_a_bounded_history(tiny):
+    *_, (full, sk) = compare(tiny, request_for(max_new_tokens=40))
+    thin = app_logic.thin_history(sk, steps=8)
+    held = [i for i, e in enumerate(thin.events) if e.kept is not None]
+    assert len(held) <= 9 and held[0] == 0 and held[-1] == 39
+    assert thin.tokens() == sk.tokens() and all(e.kept is not None for e in sk.events), "the original is untouched"
+    assert app_logic.recorded_step(thin, 7) == max(i for i in held if i <= 7)
+    assert app_logic.recorded_step(thin, 500) == 39
