@@ -101,6 +101,12 @@ def test_load_tuned_refuses_another_model(trained, other, message):
         load_tuned(tiny_model(**other), cfg.out)
 
 
+def test_load_tuned_accepts_the_same_model_in_another_dtype(trained):
+    _, cfg = trained
+    tuned = load_tuned(tiny_model("gemma3", dtype=torch.bfloat16), cfg.out)
+    assert tuned.dtype == torch.bfloat16 and next(tuned.model.parameters()).dtype == torch.bfloat16
+
+
 def test_load_tuned_refuses_a_missing_or_foreign_directory(trained, tmp_path):
     lm, _ = trained
     with pytest.raises(InputError, match="does not exist"):
