@@ -293,7 +293,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                     "one device. **SkipDecode** runs fewer layers per token (early exit, nested layer sets); "
                     "**Keyformer** keeps only a budget of key tokens in the KV cache. The heatmaps show which "
                     "layers produced each token and which tokens each layer still remembers.")
-        status = gr.Markdown("Loading the model…", elem_id="status")
+        status = gr.Markdown("Loading the model…", label="status", elem_id="status")
         with gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=EXAMPLES[0][0], elem_id="prompt")
@@ -352,12 +352,12 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
             with gr.Column():
                 full_text = gr.Textbox(label="Full model", lines=8, max_lines=16, interactive=False,
                                        elem_id="full_text", elem_classes="side-text")
-                full_metrics = gr.Markdown(elem_id="full_metrics")
+                full_metrics = gr.Markdown(label="full model metrics", elem_id="full_metrics")
             with gr.Column():
                 skip_text = gr.Textbox(label="SkipKey", lines=8, max_lines=16, interactive=False,
                                        elem_id="skip_text", elem_classes="side-text")
-                skip_metrics = gr.Markdown(elem_id="skip_metrics")
-        agreement_md = gr.Markdown(elem_id="agreement")
+                skip_metrics = gr.Markdown(label="SkipKey metrics", elem_id="skip_metrics")
+        agreement_md = gr.Markdown(label="agreement", elem_id="agreement")
         skip_html = gr.HTML(label="SkipKey text by layers used", elem_id="skip_layers")
         layer_plot = gr.Plot(label="Layer usage", elem_id="layer_plot")
         retention_plot = gr.Plot(label="Retained tokens", elem_id="retention_plot")
