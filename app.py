@@ -33,7 +33,6 @@ from skipkey.app_logic import (
 )
 from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv_policies import POLICIES
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES
 
@@ -57,7 +56,7 @@ QUEUE_SIZE = int(os.environ.get("SKIPKEY_QUEUE_SIZE", "16"))
 # A finished run stays in its session for the step slider, bounded in time and in sessions held.
 STATE_TTL_S = 900
 STATE_SESSIONS = 64
-KV_POLICY_CHOICES = [name for name in ("keyformer", "h2o", "streaming", "window") if name in POLICIES]
+KV_POLICY_CHOICES = ["keyformer", "h2o", "streaming", "window"]  # "full" is the left column
 THEME = gr.themes.Soft(primary_hue="blue")
 CSS = """
 #status {min-height: 1.5em}
