@@ -67,6 +67,9 @@ def validate_prompt_ids(prompt_ids: list[list[int]], context_length: int, max_ne
         raise InputError("no prompt given: pass at least one prompt")
     if len(prompt_ids) > MAX_BATCH:
         raise InputError(f"batch of {len(prompt_ids)} prompts is too large; allowed 1..{MAX_BATCH}")
+    if max_new_tokens >= context_length:
+        raise InputError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context of "
+                         f"{context_length} tokens; allowed: 1..{context_length - 1}")
     for i, ids in enumerate(prompt_ids):
         which = f"prompt {i + 1}" if len(prompt_ids) > 1 else "the prompt"
         if len(ids) == 0:

@@ -59,12 +59,17 @@ class StepEvent:
     logprobs: tuple[float, ...] | None = None  # of the forced tokens, when teacher forcing
 
 
+_ADAPTER_LOCK = threading.Lock()
+
+
 def get_adapter(model) -> ModelAdapter:
-    """One adapter per model object (it registers SkipKey's attention once)."""
+    """One adapter per model object (it registers SkipKey's attention once), safe across threads."""
     adapter = getattr(model, "_skipkey_adapter", None)
     if adapter is None:
-        adapter = adapter_for(model)
-        model._skipkey_adapter = adapter
+        with _ADAPTER_LOCK:
+            adapter = getattr(model, "_skipkey_adapter", None)
+            if adapter is None:
+                adapter = model._skipkey_adapter = adapter_for(model)
     return adapter
 
 

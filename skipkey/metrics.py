@@ -111,6 +111,12 @@ def rouge_l(reference: str, candidate: str) -> float:
 
 
 def kv_share(trace: Trace, reference: Trace) -> float:
-    """KV bytes held at the end, as a share of the reference run's."""
-    ref = memory(reference).kv_bytes_final
-    return memory(trace).kv_bytes_final / ref if ref else float("nan")
+    """KV bytes held after the same number of tokens, as a share of the reference run's.
+
+    Compared at the same step: a side that ran longer (the other stopped at EOS) holds
+    more tokens, which says nothing about its policy.
+    """
+    step = min(len(trace.events), len(reference.events)) - 1
+    if step < 0 or not reference.events[step].kv_bytes:
+        return float("nan")
+    return trace.events[step].kv_bytes / reference.events[step].kv_bytes
