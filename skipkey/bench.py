@@ -156,13 +156,14 @@ def format_table(result: dict) -> str:
     lines = [head, f"{'variant':<34}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'TTFT s':>9}{'KV MB':>9}"
                    f"{'vs full':>9}{'vs gen':>9}{'nominal':>9}{'compute':>9}"]
 
-    def fmt(x, spec):
-        return format(x, spec) if x is not None else "-"
+    def fmt(x, spec, suffix=""):
+        width = int(spec.split(".")[0])
+        return f"{format(x, spec[len(str(width)):])}{suffix}".rjust(width) if x is not None else "-".rjust(width)
 
     for r in result["rows"]:
         kv = r["kv_bytes"] / 2**20 if r["kv_bytes"] else None
         lines.append(f"{r['variant']:<34}{fmt(r['tokens_per_s'], '9.1f')}{fmt(r['ms_per_token_p50'], '9.1f')}"
                      f"{fmt(r['ms_per_token_p90'], '9.1f')}{fmt(r['ttft_s'], '9.3f')}{fmt(kv, '9.1f')}"
-                     f"{fmt(r['speedup_vs_full'], '8.2f')}x{fmt(r['speedup_vs_generate'], '8.2f')}x"
-                     f"{fmt(r['nominal_speedup'], '8.2f')}x{fmt(r['compute_ratio'], '8.2f')}x")
+                     f"{fmt(r['speedup_vs_full'], '9.2f', 'x')}{fmt(r['speedup_vs_generate'], '9.2f', 'x')}"
+                     f"{fmt(r['nominal_speedup'], '9.2f', 'x')}{fmt(r['compute_ratio'], '9.2f', 'x')}")
     return "\n".join(lines)

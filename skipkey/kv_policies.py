@@ -105,7 +105,9 @@ class KVPolicy:
         newest_rank = valid.flip(-1).cumsum(-1).flip(-1)  # 1 = newest valid slot
         recent = valid & (newest_rank <= w)
         prio = torch.where(recent, math.inf, torch.where(valid, prio, -math.inf))
-        keep_count = min(size, max(budgets))
+        # The physical size is what the fullest row and head really keeps: a sliding-window
+        # layer may hold fewer valid slots than the budget, and its cache must shrink to that.
+        keep_count = min(max(budgets), int(valid.sum(-1).max()))
         values, idx = prio.topk(keep_count, dim=-1)
         ok = (torch.arange(keep_count, device=device) < k) & (values > -math.inf)
         idx, order = idx.sort(dim=-1)  # back to position order
@@ -211,11 +213,12 @@ def gumbel_noise(seed: int, where, shape) -> torch.Tensor:
     """
     b, hkv, groups, q, s = shape
     device = where.query_positions.device
-    head = (torch.arange(hkv, device=device)[:, None] * groups + torch.arange(groups, device=device))
-    key = _mix(torch.tensor(seed, device=device) * 0x9E3779B1 + where.layer)
-    key = _mix(key + head[None, :, :, None, None] * 0x632BE5AB)
-    key = _mix(key + where.query_positions[:, None, None, :, None] * 0x85EBCA77)
-    key = _mix(key + where.key_positions.expand(b, hkv, s)[:, :, None, None, :])
+    head = torch.arange(hkv * groups, device=device).view(1, hkv, groups, 1, 1)
+    base = _mix(_mix(torch.tensor(seed, device=device) * 0x9E3779B1 + where.layer) + head * 0x632BE5AB)
+    # One mixing round over an odd-weighted sum of the two positions: this line runs over
+    # every (query, key) pair of a long prompt, so it is kept to a single round.
+    key = _mix(base + where.query_positions[:, None, None, :, None] * 0x85EBCA77
+               + where.key_positions.expand(b, hkv, s)[:, :, None, None, :] * 0xC2B2AE3D)
     uniform = (_shr(key, 40).float() + 0.5) / float(1 << 24)
     return -torch.log(-torch.log(uniform))
 

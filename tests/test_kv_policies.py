@@ -45,6 +45,7 @@ def test_sliding_layers_hold_the_smaller_of_window_and_budget(tiny_models):
             window = engine.adapter.layer_info[idx].sliding_window
             expected = min(window - 1, 20) if window else 20
             assert (valid_counts(kept) == expected).all()
+            assert kept.shape[-1] == expected  # physically shrunk, not padded with empty slots
             if window:
                 assert kept[kept >= 0].min() > event.step + event.prompt_lengths[0] - window \
                     if event.prompt_lengths else True
