@@ -1,4 +1,6 @@
+import contextlib
 import os
+import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -30,3 +32,18 @@ def tiny_models():
         return cache[key]
 
     return get
+
+
+@contextlib.contextmanager
+def serving(demo):
+    """Launch a built demo on a free loopback port; yield its URL; close it after."""
+    import app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()

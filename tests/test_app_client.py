@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
 import pytest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, serving
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
 from skipkey.trace import Trace
@@ -25,12 +24,6 @@ CONTROLS = dict(prompt=PROMPTS[0], model="embedded", max_new_tokens=8, decoding=
                 kv_recent_pct=30, tau_init=1.0, tau_end=2.0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_models):
     lm = tiny_models("gemma3", seed=1)
@@ -43,12 +36,8 @@ def served(tiny):
     import app
 
     demo = app.build_demo(loader=lambda name: tiny, concurrency_limit=2, max_size=8)
-    port = free_port()
-    app.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    try:
-        yield demo, f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+    with serving(demo) as url:
+        yield demo, url
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,12 @@ on the embedded model instead and saves the README's screenshot there:
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
+
+from conftest import serving
 
 
 CHROMIUM = "/usr/bin/chromium"
@@ -32,12 +33,6 @@ pytestmark = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tiny_models):
     import app
@@ -48,12 +43,8 @@ def served(tiny_models):
         lm = tiny_models("gemma3", seed=1)
         lm.model.generation_config.eos_token_id = None  # the run to stop must still be going
         demo = app.build_demo(loader=lambda name: lm, figure_every=4)
-    port = free_port()
-    app.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    try:
-        yield demo, f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+    with serving(demo) as url:
+        yield demo, url
 
 
 @pytest.fixture(scope="module")

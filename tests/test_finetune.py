@@ -1,6 +1,7 @@
 """SkipDecode fine-tuning on tiny models: it learns, resumes exactly, and its adapter only fits its own model."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,7 +48,8 @@ def trained(tmp_path_factory):
         lm = tiny_model("gemma3")
         cfg = FinetuneConfig(model=lm.name, out=str(root / "lora"), **{**TINY, "steps": 12})
         train(cfg, lm, work_dir=root / "work", log=quiet)
-    return lm, cfg
+        data = build_dataset(lm, cfg, log=quiet)  # the cached copy the run trained on
+    return lm, cfg, data
 
 
 def test_training_prompts_are_seeded_varied_and_never_held_out():
@@ -58,8 +60,7 @@ def test_training_prompts_are_seeded_varied_and_never_held_out():
 
 
 def test_training_reduces_the_skipping_loss_on_a_fixed_batch(trained):
-    lm, cfg = trained
-    data = build_dataset(lm, cfg, log=quiet)  # cached by the fixture's run
+    lm, cfg, data = trained
     batch = make_batch(data, list(range(8)), cfg.gen_len)
     _, layer_sets = draw_layer_sets(lm.num_layers, FinetuneConfig(**{**TINY, "targets": (2.0,)}), 0)
     tuned = load_tuned(lm, cfg.out)
@@ -70,7 +71,7 @@ def test_training_reduces_the_skipping_loss_on_a_fixed_batch(trained):
 
 
 def test_load_tuned_merges_into_a_copy_and_leaves_the_base_alone(trained):
-    lm, cfg = trained
+    lm, cfg, _ = trained
     before = fingerprint(lm.model)
     tuned = load_tuned(lm, cfg.out)
     assert tuned.name == "tiny-gemma3+skipdecode-lora" and tuned.model is not lm.model
@@ -83,8 +84,8 @@ def test_load_tuned_merges_into_a_copy_and_leaves_the_base_alone(trained):
 
 
 def test_adapter_files_are_small_and_say_how_they_were_made(trained):
-    _, cfg = trained
-    meta = json.loads((__import__("pathlib").Path(cfg.out) / METADATA_FILE).read_text())
+    _, cfg, _ = trained
+    meta = json.loads((Path(cfg.out) / METADATA_FILE).read_text())
     assert meta["base_model"] == "tiny-gemma3" and meta["schedule"]["targets"] == [1.5, 2.5]
     assert meta["training"]["steps"] == 12 and meta["command"].startswith("python -m skipkey finetune")
     assert meta["loss"]["curve"] and meta["base_fingerprint"]["num_layers"] == 6
@@ -96,19 +97,19 @@ def test_adapter_files_are_small_and_say_how_they_were_made(trained):
     (dict(family="llama"), "trained for model 'tiny-gemma3', not 'tiny-llama'"),
 ])
 def test_load_tuned_refuses_another_model(trained, other, message):
-    _, cfg = trained
+    _, cfg, _ = trained
     with pytest.raises(ModelLoadError, match=message):
         load_tuned(tiny_model(**other), cfg.out)
 
 
 def test_load_tuned_accepts_the_same_model_in_another_dtype(trained):
-    _, cfg = trained
+    _, cfg, _ = trained
     tuned = load_tuned(tiny_model("gemma3", dtype=torch.bfloat16), cfg.out)
     assert tuned.dtype == torch.bfloat16 and next(tuned.model.parameters()).dtype == torch.bfloat16
 
 
 def test_load_tuned_refuses_a_missing_or_foreign_directory(trained, tmp_path):
-    lm, _ = trained
+    lm, _, _ = trained
     with pytest.raises(InputError, match="does not exist"):
         load_tuned(lm, tmp_path / "nowhere")
     (tmp_path / "adapter_config.json").write_text("{}")
