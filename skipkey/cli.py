@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -200,7 +201,8 @@ def cmd_bench(args) -> int:
             result = run_bench(loaded, variants, prompts, settings, repeats=args.repeats, warmup=args.warmup,
                                log=lambda msg: print(msg, file=sys.stderr))
             result.update(model=loaded.name, device=str(loaded.device), dtype=str(loaded.dtype),
-                          date=time.strftime("%Y-%m-%d"), machine=machine_description(loaded.device))
+                          date=time.strftime("%Y-%m-%d"), machine=machine_description(loaded.device),
+                          command=command_line(args))
             print(format_table(result), flush=True)
             results.append(result)
     if args.output:
@@ -281,13 +283,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "targets; tuned: the same, untuned vs --adapter, side by side")
     p.add_argument("--prompts", type=int, default=20, help="ordinary prompts for agreement")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--retrieval-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--retrieval-lengths", type=int, nargs="*", default=[1024, 2048, 4096],
+                   help="prompt lengths for the retrieval test; none (the flag alone) skips it")
     p.add_argument("--retrieval-samples", type=int, default=5)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     p.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0, 5.0])
     p.add_argument("--kv-policies", nargs="+", default=list(POLICIES))
     p.add_argument("--ppl-tokens", type=int, default=256,
-                   help="long-text perplexity: tokens scored after a 1024-token prompt")
+                   help="long-text perplexity: tokens scored after a --ppl-prompt-tokens prompt")
+    p.add_argument("--ppl-prompt-tokens", type=int, default=1024,
+                   help="long-text perplexity: the prompt (what the KV budget is a share of)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write results JSON here")
     p.add_argument("--figure", help="write the accuracy-vs-budget Plotly figure (HTML or PNG) here")
@@ -320,8 +325,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_line(args) -> str:
+    """The command that made a result, for its JSON (every figure names its command)."""
+    return shlex.join(["python", "-m", "skipkey", *args.argv])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except (InputError, ModelLoadError) as error:

@@ -57,6 +57,7 @@ class StepEvent:
     importance: tuple[float, ...] | None = None  # measured at prefill when a plan asked for it
     prompt_lengths: tuple[int, ...] | None = None  # on the first event only
     logprobs: tuple[float, ...] | None = None  # of the forced tokens, when teacher forcing
+    greedy: tuple[int, ...] | None = None  # the model's own argmax where a token was forced
 
 
 _ADAPTER_LOCK = threading.Lock()
@@ -181,7 +182,8 @@ class Engine:
 
         ``forced`` (one equal-length token list per row) teacher-forces the output
         through the real cached decode, eviction included, and records each forced
-        token's log-probability: that is how perplexity is measured.
+        token's log-probability and the model's own argmax there: that is how
+        perplexity and teacher-forced next-token accuracy are measured.
         """
         settings = settings or GenerationSettings()
         if forced is not None:
@@ -224,9 +226,9 @@ class Engine:
                 return self._select(logits, history, processors, settings, generator), None
             token = forced_ids[:, step]
             logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, token[:, None])[:, 0]
-            return token, tuple(logprobs.tolist())
+            return token, (tuple(logprobs.tolist()), tuple(logits.argmax(dim=-1).tolist()))
 
-        def finish_step(step, token_tensor, layers, started, importance=None, lengths=None, logprobs=None):
+        def finish_step(step, token_tensor, layers, started, importance=None, lengths=None, scored=None):
             tokens = token_tensor.tolist()
             texts = []
             for r in range(rows):
@@ -245,7 +247,8 @@ class Engine:
                              layers=layers, seconds=time.perf_counter() - started, kv_bytes=cache.nbytes,
                              cache_lengths=cache.lengths(), kept=kept,
                              importance=tuple(importance) if importance is not None else None,
-                             prompt_lengths=lengths, logprobs=logprobs)
+                             prompt_lengths=lengths, logprobs=scored[0] if scored else None,
+                             greedy=scored[1] if scored else None)
 
         # Token 0: the prompt at full depth.
         started = time.perf_counter()
@@ -256,8 +259,8 @@ class Engine:
         next_pos = torch.tensor(prompt_lens, device=device)
         self._shrink(cache, all_layers, budgets, next_pos)
         history = input_ids
-        token, logprobs = choose(0, logits)
-        yield finish_step(0, token, all_layers, started, importance, tuple(prompt_lens), logprobs)
+        token, scored = choose(0, logits)
+        yield finish_step(0, token, all_layers, started, importance, tuple(prompt_lens), scored)
 
         for t in range(total_steps - 1):
             if all(finished) or (stop is not None and stop.is_set()):
@@ -274,8 +277,8 @@ class Engine:
             self._shrink(cache, layers, budgets, next_pos)
             if processors:
                 history = torch.cat([history, feed[:, None]], dim=1)
-            token, logprobs = choose(t + 1, logits)
-            yield finish_step(t + 1, token, layers, started, logprobs=logprobs)
+            token, scored = choose(t + 1, logits)
+            yield finish_step(t + 1, token, layers, started, scored=scored)
         cache.layers.clear()
 
     def _shrink(self, cache: KVCache, layers: Sequence[int], budgets, next_positions: torch.Tensor):

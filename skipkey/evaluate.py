@@ -133,14 +133,20 @@ def _generate(loaded, config: EvalConfig, prompts, settings, **kwargs) -> Trace:
     return Trace.collect(Engine(config.model or loaded, skip=config.skip, kv=config.kv), prompts, settings, **kwargs)
 
 
-def perplexity(loaded, config: EvalConfig, prompts, continuations) -> float:
-    """exp(mean NLL) of ``continuations`` teacher-forced through the cached decode."""
+def teacher_forced(loaded, config: EvalConfig, prompts, continuations) -> tuple[float, float]:
+    """``continuations`` teacher-forced through the cached decode: (perplexity, next-token accuracy).
+
+    Perplexity is exp(mean NLL). Next-token accuracy is the share of positions
+    where the config's own argmax is the forced token: agreement without the
+    drift that follows a first mismatch in free-running decoding.
+    """
     engine = Engine(config.model or loaded, skip=config.skip, kv=config.kv)
-    nll, count = 0.0, 0
+    nll, hits, count = 0.0, 0, 0
     for event in engine.generate(prompts, forced=continuations):
         nll -= sum(event.logprobs)
+        hits += sum(g == t for g, t in zip(event.greedy, event.tokens))
         count += len(event.logprobs)
-    return math.exp(nll / count)
+    return math.exp(nll / count), hits / count
 
 
 def quality(loaded, configs: list[EvalConfig], prompts: list[str], max_new_tokens: int, log) -> list[dict]:
@@ -156,13 +162,14 @@ def quality(loaded, configs: list[EvalConfig], prompts: list[str], max_new_token
         agree = [agreement(refs[r], trace.tokens(r)) for r in range(len(prompts))]
         divergences = [a.first_divergence if a.first_divergence is not None else max_new_tokens for a in agree]
         rouge = [rouge_l(full.text(r), trace.text(r)) for r in range(len(prompts))]
-        ppl = perplexity(loaded, config, prompts, refs)
+        ppl, accuracy = teacher_forced(loaded, config, prompts, refs)
         rows.append(dict(label=config.label, policy=config.policy, target=config.target, budget=config.budget,
                          token_agreement=sum(a.matching for a in agree) / len(agree),
                          first_divergence_median=sorted(divergences)[len(divergences) // 2],
-                         rouge_l=sum(rouge) / len(rouge), ppl_of_full_continuations=ppl))
+                         rouge_l=sum(rouge) / len(rouge), ppl_of_full_continuations=ppl,
+                         next_token_accuracy=accuracy))
         log(f"  {config.label}: agreement {rows[-1]['token_agreement']:.3f}, ROUGE-L {rows[-1]['rouge_l']:.3f}, "
-            f"PPL {ppl:.2f} ({time.perf_counter() - started:.0f} s)")
+            f"PPL {ppl:.2f}, next-token accuracy {accuracy:.3f} ({time.perf_counter() - started:.0f} s)")
     return rows
 
 
@@ -185,9 +192,9 @@ def long_text_perplexity(loaded, configs: list[EvalConfig], prompt_tokens: int, 
     prompt, cont = ids[:prompt_tokens], ids[prompt_tokens:]
     rows = []
     for config in configs:
-        ppl = perplexity(loaded, config, [prompt], [cont])
+        ppl, accuracy = teacher_forced(loaded, config, [prompt], [cont])
         rows.append(dict(label=config.label, policy=config.policy, budget=config.budget, ppl=ppl,
-                         prompt_tokens=len(prompt), continuation_tokens=len(cont)))
+                         next_token_accuracy=accuracy, prompt_tokens=len(prompt), continuation_tokens=len(cont)))
         log(f"  long-text PPL: {config.label}: {ppl:.2f}")
     return rows
 
@@ -226,6 +233,10 @@ def tuned_configs(num_layers: int, tuned, targets: list[float], max_new_tokens: 
     for config in skip_configs(num_layers, targets, max_new_tokens)[1:]:
         configs += [config, replace(config, label=f"{config.label} tuned", model=tuned)]
     return configs
+
+
+QUALITY_COLUMNS = ["token_agreement", "first_divergence_median", "rouge_l", "ppl_of_full_continuations",
+                   "next_token_accuracy"]
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
@@ -278,23 +289,25 @@ def save_figure(fig, path: str) -> None:
 
 
 def main(args) -> int:
-    from skipkey.cli import load
+    from skipkey.cli import command_line, load, machine_description
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    if args.figure and not ("kv" in args.suite and args.retrieval_lengths):
+        raise InputError("--figure draws the KV retrieval accuracy: it needs --suite kv and --retrieval-lengths")
     if "tuned" in args.suite and not args.adapter:
         raise InputError("the tuned suite needs --adapter DIR (an adapter written by `python -m skipkey finetune`)")
     loaded = load(args.model, args.device, args.dtype)
     prompts = (ORDINARY_PROMPTS * 2)[: args.prompts]
     result = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype),
-              "date": time.strftime("%Y-%m-%d"), "max_new_tokens": args.max_new_tokens, "prompts": len(prompts)}
+              "date": time.strftime("%Y-%m-%d"), "machine": machine_description(loaded.device),
+              "command": command_line(args), "max_new_tokens": args.max_new_tokens, "prompts": len(prompts)}
     if "skip" in args.suite:
         log("# SkipDecode quality")
         configs = skip_configs(loaded.num_layers, args.targets, args.max_new_tokens)
         result["skip"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
-        print(markdown_table(result["skip"], ["policy", "target", "token_agreement", "first_divergence_median",
-                                              "rouge_l", "ppl_of_full_continuations"]))
+        print(markdown_table(result["skip"], ["policy", "target", *QUALITY_COLUMNS]))
     if "tuned" in args.suite:
         from skipkey.finetune import load_tuned, read_metadata
 
@@ -304,22 +317,21 @@ def main(args) -> int:
         result["adapter"] = {"dir": args.adapter, **{k: meta[k] for k in ("schedule", "date", "command")}}
         configs = tuned_configs(loaded.num_layers, tuned, args.targets, args.max_new_tokens)
         result["tuned"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
-        print(markdown_table(result["tuned"], ["label", "token_agreement", "first_divergence_median", "rouge_l",
-                                               "ppl_of_full_continuations"]))
+        print(markdown_table(result["tuned"], ["label", *QUALITY_COLUMNS]))
     if "kv" in args.suite:
         log("# KV policies")
         configs = kv_configs(loaded.num_layers, args.kv_policies, args.budgets, args.seed, args.max_new_tokens)
-        result["kv_retrieval"] = retrieval(loaded, configs, args.retrieval_lengths, args.retrieval_samples,
-                                           args.seed, log)
+        if args.retrieval_lengths:
+            result["kv_retrieval"] = retrieval(loaded, configs, args.retrieval_lengths, args.retrieval_samples,
+                                               args.seed, log)
+            print(markdown_table(result["kv_retrieval"], ["label", "length", "accuracy", "samples"]))
         result["kv_agreement"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
-        result["kv_long_text"] = long_text_perplexity(loaded, configs, 1024, args.ppl_tokens, log)
-        print(markdown_table(result["kv_retrieval"], ["label", "length", "accuracy", "samples"]))
-        print(markdown_table(result["kv_agreement"], ["label", "token_agreement", "first_divergence_median",
-                                                      "rouge_l", "ppl_of_full_continuations"]))
-        print(markdown_table(result["kv_long_text"], ["label", "ppl"]))
+        print(markdown_table(result["kv_agreement"], ["label", *QUALITY_COLUMNS]))
+        result["kv_long_text"] = long_text_perplexity(loaded, configs, args.ppl_prompt_tokens, args.ppl_tokens, log)
+        print(markdown_table(result["kv_long_text"], ["label", "ppl", "next_token_accuracy"]))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(result, indent=1))
-    if "kv" in args.suite and args.figure:
+    if "kv_retrieval" in result and args.figure:
         save_figure(accuracy_figure(result["kv_retrieval"]), args.figure)
     return 0

@@ -86,6 +86,27 @@ def test_bench_reports_ratios_against_full_and_generate(capsys, model_dir, tmp_p
     assert "vs full" in out
 
 
+def test_kv_eval_without_retrieval_reports_agreement_and_long_text_scores(capsys, model_dir, tmp_path):
+    out_file = tmp_path / "eval.json"
+    argv = ["eval", "--model", model_dir, "--suite", "kv", "--retrieval-lengths", "--prompts", "2",
+            "--max-new-tokens", "6", "--budgets", "0.5", "--kv-policies", "h2o", "--ppl-prompt-tokens", "64",
+            "--ppl-tokens", "16", "--output", str(out_file)]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    result = json.loads(out_file.read_text())
+    assert "kv_retrieval" not in result and result["command"] == "python -m skipkey " + " ".join(argv)
+    rows = {row["label"]: row for row in result["kv_agreement"]}
+    assert set(rows) == {"full", "h2o 50%", "keyformer 50% + skip 2x"}
+    # The full model's own greedy continuations: every position is its argmax.
+    assert rows["full"]["next_token_accuracy"] == 1.0 and rows["full"]["token_agreement"] == 1.0
+    assert all(0.0 <= row["next_token_accuracy"] <= 1.0 for row in rows.values())
+    long_text = {row["label"]: row for row in result["kv_long_text"]}
+    assert long_text["full"]["prompt_tokens"] == 64 and long_text["full"]["continuation_tokens"] == 16
+    assert "next_token_accuracy" in out
+    code, _, err = run_cli(capsys, *argv[:-2], "--figure", str(tmp_path / "f.html"))
+    assert code == 2 and "--figure draws the KV retrieval accuracy" in err
+
+
 def test_module_entry_point(model_dir):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "skipkey", "generate", "--model", model_dir, "--prompt", "Hi",

@@ -125,6 +125,9 @@ def test_forced_decode_logprobs_match_a_full_forward(tiny_models, family):
         logits = lm.model(torch.tensor([prompt + continuation])).logits[0].float()
     logp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(continuation)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor([e.logprobs[0] for e in events]), logp, rtol=1e-4, atol=1e-4)
+    # The model's own choice at each forced position (teacher-forced next-token accuracy counts these).
+    assert [e.greedy[0] for e in events] == logits[len(prompt) - 1:-1].argmax(-1).tolist()
+    assert all(e.greedy is None for e in Engine(lm).generate([prompt], GenerationSettings(max_new_tokens=3)))
 
 
 def test_max_new_tokens_beyond_context_is_refused_with_its_range(tiny_models):
