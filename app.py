@@ -92,7 +92,7 @@ EXAMPLE_LABELS = ["Colours", "Story", "Code", "Long-context retrieval (eviction 
 # The comparison's controls, in the order of ``compare_handler``'s parameters (its API names).
 CONTROLS = ("prompt", "model", "max_new_tokens", "decoding", "temperature", "seed", "skip_on", "layer_policy",
             "schedule", "set_by", "b_max", "b_min", "horizon", "warmup", "exponent", "target_speedup", "kv_on",
-            "kv_policy", "kv_budget_pct", "kv_recent_pct", "tau_init", "tau_end")
+            "kv_policy", "kv_budget_pct", "kv_recent_pct", "tau_init", "tau_end", "tuned")
 SCHEDULE_CONTROLS = ("model", "max_new_tokens", "schedule", "set_by", "b_max", "b_min", "horizon", "warmup",
                      "exponent", "target_speedup")
 
@@ -147,23 +147,26 @@ def layer_slider_updates(num_layers: int, warmup: int = 1) -> tuple:
 
 
 def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | None = None,
-               models: ModelCache | None = None, concurrency_limit: int = CONCURRENCY,
+               adapters: dict | None = None, models: ModelCache | None = None, concurrency_limit: int = CONCURRENCY,
                max_size: int = QUEUE_SIZE, figure_every: int = FIGURE_EVERY,
                figure_interval: float = FIGURE_INTERVAL, text_interval: float = TEXT_INTERVAL,
                default_new_tokens: int = DEFAULT_NEW_TOKENS) -> gr.Blocks:
-    """The page. ``loader`` maps a model name to a ``LoadedModel`` (tests inject a tiny one)."""
+    """The page. ``loader`` maps a model name to a ``LoadedModel`` (tests inject a tiny one);
+    ``adapters`` maps a model name to its SkipDecode adapter (default: the committed one)."""
     if models is None:
-        models = ModelCache(loader, allowed) if loader is not None else ModelCache(allowed=allowed)
+        kwargs = dict(allowed=allowed, adapters=adapters)
+        models = ModelCache(loader, **kwargs) if loader is not None else ModelCache(**kwargs)
     running = RunningRequests()
 
     # -- handlers (plain functions; the tests call them directly) -------------------
-    def wait_for_model(model, others: int, stop: threading.Event | None = None):
+    def wait_for_model(model, others: int, stop: threading.Event | None = None, tuned: bool = False):
         """Yields a status line (and ``others`` unchanged outputs) while ``model`` loads; returns it.
 
-        Returns None when ``stop`` is set first; a load failure is a gr.Error with its one-line reason.
+        ``tuned``: the model with its SkipDecode adapter merged instead. Returns None
+        when ``stop`` is set first; a load failure is a gr.Error with its one-line reason.
         """
         try:
-            future = models.future(model)
+            future = models.tuned_future(model) if tuned else models.future(model)
         except InputError as error:
             raise _user_error(str(error)) from None
         started = time.perf_counter()
@@ -173,9 +176,11 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
             except FutureTimeout:
                 if stop is not None and stop.is_set():
                     return None
-                yield (f"**Loading** model **{model}**… {time.perf_counter() - started:.0f} s "
-                       "(the embedded model is converted once on first use, about 2 min on a small CPU; "
-                       "later loads take seconds)", *(gr.skip(),) * others)
+                waited = time.perf_counter() - started
+                yield ((f"**Merging** the SkipDecode adapter into **{model}**… {waited:.0f} s (once)" if tuned else
+                        f"**Loading** model **{model}**… {waited:.0f} s (the embedded model is converted once "
+                        "on first use, about 2 min on a small CPU; later loads take seconds)"),
+                       *(gr.skip(),) * others)
             except (InputError, ModelLoadError) as error:
                 raise _user_error(str(error)) from None
             except Exception as error:  # noqa: BLE001 - a load failure must reach the user as one line
@@ -183,12 +188,15 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                 raise _user_error(f"Could not load model {model!r}: {type(error).__name__}: {error}") from None
 
     def select_model(model):
-        """Load the chosen model (with progress) and fit the layer sliders to it."""
-        loaded = yield from wait_for_model(model, others=5)
+        """Load the chosen model (with progress); fit the layer sliders and the tuned toggle to it."""
+        loaded = yield from wait_for_model(model, others=6)
         L = loaded.num_layers
+        has_tuned = models.has_tuned(model)
         yield (f"**{model}** ready: {L} layers, context {loaded.context_length} tokens, "
-               f"{loaded.device.type} / {str(loaded.dtype).removeprefix('torch.')}",
-               *layer_slider_updates(L), gr.update(maximum=min(MAX_NEW_TOKENS_UI, loaded.context_length - 1)))
+               f"{loaded.device.type} / {str(loaded.dtype).removeprefix('torch.')}"
+               + ("; SkipDecode-tuned weights available" if has_tuned else ""),
+               *layer_slider_updates(L), gr.update(maximum=min(MAX_NEW_TOKENS_UI, loaded.context_length - 1)),
+               gr.update(interactive=True) if has_tuned else gr.update(interactive=False, value=False))
 
     def schedule_preview(model, max_new_tokens, schedule, set_by, b_max, b_min, horizon, warmup, exponent,
                          target_speedup):
@@ -216,13 +224,13 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
 
     def compare_handler(prompt, model, max_new_tokens, decoding, temperature, seed, skip_on, layer_policy,
                         schedule, set_by, b_max, b_min, horizon, warmup, exponent, target_speedup, kv_on,
-                        kv_policy, kv_budget_pct, kv_recent_pct, tau_init, tau_end,
+                        kv_policy, kv_budget_pct, kv_recent_pct, tau_init, tau_end, tuned=False,
                         request: gr.Request = None):
         """Stream the full model and SkipKey side by side, with metrics and both heatmaps."""
         controls = dict(zip(CONTROLS, (prompt, model, max_new_tokens, decoding, temperature, seed, skip_on,
                                        layer_policy, schedule, set_by, b_max, b_min, horizon, warmup, exponent,
                                        target_speedup, kv_on, kv_policy, kv_budget_pct, kv_recent_pct, tau_init,
-                                       tau_end), strict=True))
+                                       tau_end, tuned), strict=True))
         stop = threading.Event()
         session = _session(request)
         if session is not None:
@@ -233,8 +241,15 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                 return
             try:
                 req = build_request(loaded.num_layers, **controls)
+                if req.tuned:
+                    models.check_tuned(model)
             except InputError as error:
                 raise _user_error(str(error)) from None
+            tuned_model = None
+            if req.tuned:
+                tuned_model = yield from wait_for_model(model, others=10, stop=stop, tuned=True)
+                if tuned_model is None:
+                    return
             yield (f"**Generating** with **{model}**: {req.describe()}", "", "", "", "", "", "",
                    figures.message_figure("Layer usage appears with the first token."),
                    figures.message_figure("Retained tokens appear once the prompt is processed."),
@@ -243,7 +258,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
             last_text = last_figure = 0.0
             drawn = 0
             try:
-                for full, sk in compare(loaded, req, stop):
+                for full, sk in compare(loaded, req, stop, tuned=tuned_model):
                     if prompt_texts is None:
                         ids = Engine(loaded).encode([req.prompt], req.settings.max_new_tokens)[0]
                         prompt_texts = [loaded.tokenizer.decode([i]) for i in ids]
@@ -316,6 +331,9 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                         skip_on = gr.Checkbox(True, label="on")
                         layer_policy = gr.Radio(list(LAYER_POLICIES), value="importance", label="layers",
                                                 info="top = the paper's; importance = training-free ranking")
+                    tuned = gr.Checkbox(False, label="tuned weights", elem_id="tuned", interactive=False,
+                                        info="SkipKey's side runs the model with its SkipDecode LoRA adapter "
+                                             "(trained with the top policy in place; embedded model only)")
                     with gr.Row():
                         schedule = gr.Radio(list(SCHEDULE_KINDS), value="linear", label="schedule")
                         set_by = gr.Radio(list(SET_BY), value="layers", label="set by")
@@ -367,7 +385,8 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                        temperature=temperature, seed=seed, skip_on=skip_on, layer_policy=layer_policy,
                        schedule=schedule, set_by=set_by, b_max=b_max, b_min=b_min, horizon=horizon, warmup=warmup,
                        exponent=exponent, target_speedup=target_speedup, kv_on=kv_on, kv_policy=kv_policy,
-                       kv_budget_pct=kv_budget_pct, kv_recent_pct=kv_recent_pct, tau_init=tau_init, tau_end=tau_end)
+                       kv_budget_pct=kv_budget_pct, kv_recent_pct=kv_recent_pct, tau_init=tau_init, tau_end=tau_end,
+                       tuned=tuned)
         outputs = [status, full_text, full_metrics, skip_text, skip_metrics, skip_html, agreement_md, layer_plot,
                    retention_plot, step, last_run]
         # preprocess=False: raw values reach the one edge (build_request), which checks them all,
@@ -378,7 +397,7 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
         stop_btn.click(stop_handler, None, status, cancels=[run], queue=False, api_name="stop",
                        api_visibility="undocumented")
         schedule_inputs = [by_name[n] for n in SCHEDULE_CONTROLS]
-        model_outputs = [status, b_max, b_min, warmup, target_speedup, max_new_tokens]
+        model_outputs = [status, b_max, b_min, warmup, target_speedup, max_new_tokens, tuned]
         (model.change(select_model, model, model_outputs, api_name="select_model", concurrency_id="model",
                       concurrency_limit=concurrency_limit, preprocess=False, show_progress="hidden")
          .then(schedule_preview, schedule_inputs, preview, api_name="preview_after_model_change",

@@ -4,7 +4,8 @@
 Python, so tests call it directly with a tiny model.
 
 * ``ModelCache`` loads each allowed model once (in the background, so the page
-  can show progress) and hands the same ``LoadedModel`` to every request.
+  can show progress) and hands the same ``LoadedModel`` to every request; the
+  same for a model's SkipDecode-tuned copy, where an adapter was trained for it.
 * ``build_request`` is the edge: raw control values (from the page or from any
   API client) become one frozen ``ComparisonRequest``, or an ``InputError`` that
   says what is allowed. The ranges are the library's own checks.
@@ -21,6 +22,7 @@ import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from skipkey.config import GenerationSettings
@@ -37,6 +39,9 @@ DECODING = ("greedy", "sample")
 SET_BY = ("layers", "target speedup")
 
 Loader = Callable[[str], LoadedModel]
+Tuner = Callable[[LoadedModel, Path], LoadedModel]
+# The SkipDecode LoRA adapter committed for the embedded model (python -m skipkey finetune).
+EMBEDDED_ADAPTER = Path(__file__).resolve().parent.parent / "assets" / "skipdecode-lora"
 
 
 def allowed_models(env: str | None = None) -> tuple[str, ...]:
@@ -46,25 +51,40 @@ def allowed_models(env: str | None = None) -> tuple[str, ...]:
     return tuple(dict.fromkeys([EMBEDDED, *extra]))
 
 
+def default_adapters() -> dict[str, Path]:
+    """Model name -> SkipDecode adapter directory, for the adapters that are present."""
+    return {EMBEDDED: EMBEDDED_ADAPTER} if EMBEDDED_ADAPTER.is_dir() else {}
+
+
 def default_loader(name: str) -> LoadedModel:
     from skipkey.loading import load_model
 
     return load_model(name, progress=True)
 
 
+def default_tuner(loaded: LoadedModel, adapter_dir: Path) -> LoadedModel:
+    from skipkey.finetune import load_tuned
+
+    return load_tuned(loaded, adapter_dir)
+
+
 class ModelCache:
     """Each allowed model is loaded once, on a background thread, and then shared.
 
     A failed load is not cached: the next request tries again (the hub may be back).
-    Only names on the allow-list are ever loaded, whatever a client sends.
+    Only names on the allow-list are ever loaded, whatever a client sends. A model
+    with an adapter in ``adapters`` also has a tuned copy (``tuned_future``), made
+    once from the loaded model; it shares every tensor the adapter leaves alone.
     """
 
-    def __init__(self, loader: Loader = default_loader, allowed: Sequence[str] | None = None):
-        self._loader = loader
+    def __init__(self, loader: Loader = default_loader, allowed: Sequence[str] | None = None,
+                 adapters: dict[str, Path] | None = None, tuner: Tuner = default_tuner):
+        self._loader, self._tuner = loader, tuner
         self.allowed = tuple(allowed) if allowed is not None else allowed_models()
         if not self.allowed:
             raise InputError("no model is allowed: the allow-list is empty")
-        self._futures: dict[str, Future] = {}
+        self.adapters = dict(default_adapters() if adapters is None else adapters)
+        self._futures: dict[tuple[str, bool], Future] = {}
         self._lock = threading.Lock()
 
     @property
@@ -77,19 +97,37 @@ class ModelCache:
                              f"(the server's {MODELS_ENV} sets the list)")
         return name
 
+    def has_tuned(self, name) -> bool:
+        return isinstance(name, str) and name in self.adapters
+
+    def check_tuned(self, name) -> str:
+        name = self.check(name)
+        if name not in self.adapters:
+            offered = ", ".join(self.adapters) or "no model on this server"
+            raise InputError(f"model {name!r} has no SkipDecode-tuned adapter here; tuned weights exist for: "
+                             f"{offered} (turn 'tuned weights' off)")
+        return name
+
     def future(self, name) -> Future:
         """A future for the loaded model; starts loading it unless it is loaded or loading."""
-        name = self.check(name)
+        return self._start(self.check(name), tuned=False)
+
+    def tuned_future(self, name) -> Future:
+        """A future for the model with its SkipDecode adapter merged (loads the base first if needed)."""
+        return self._start(self.check_tuned(name), tuned=True)
+
+    def _start(self, name: str, tuned: bool) -> Future:
         with self._lock:
-            future = self._futures.get(name)
+            future = self._futures.get((name, tuned))
             if future is None or (future.done() and future.exception() is not None):
-                future = self._futures[name] = Future()
-                threading.Thread(target=self._load, args=(name, future), name=f"load {name}", daemon=True).start()
+                future = self._futures[(name, tuned)] = Future()
+                threading.Thread(target=self._load, args=(name, tuned, future),
+                                 name=f"load {name}{' tuned' if tuned else ''}", daemon=True).start()
         return future
 
     def loaded(self, name) -> LoadedModel | None:
         """The model if it is already loaded, else None (never waits)."""
-        future = self._futures.get(name)
+        future = self._futures.get((name, False))
         if future is None or not future.done() or future.exception() is not None:
             return None
         return future.result()
@@ -97,9 +135,12 @@ class ModelCache:
     def get(self, name, timeout: float | None = None) -> LoadedModel:
         return self.future(name).result(timeout)
 
-    def _load(self, name: str, future: Future) -> None:
+    def _load(self, name: str, tuned: bool, future: Future) -> None:
         try:
-            loaded = self._loader(name)
+            if tuned:
+                loaded = self._tuner(self.future(name).result(), self.adapters[name])
+            else:
+                loaded = self._loader(name)
             Engine(loaded)  # set the model up for the engine once, before requests share it
         except BaseException as error:  # noqa: BLE001 - handed to every waiting request
             future.set_exception(error)
@@ -116,10 +157,13 @@ class ComparisonRequest:
     settings: GenerationSettings
     skip: SkipDecode | None
     kv: KVPolicy | None
+    tuned: bool = False  # SkipKey's side decodes with the model's SkipDecode-tuned weights
 
     def describe(self) -> str:
         parts = [self.skip.describe() if self.skip else "no layer skipping",
                  f"KV {self.kv.describe()}" if self.kv else "full KV cache"]
+        if self.tuned:
+            parts.append("SkipDecode-tuned weights")
         return "; ".join(parts)
 
 
@@ -162,7 +206,7 @@ def _percent(value):
 def build_request(num_layers: int, *, model: str, prompt, max_new_tokens, decoding, temperature, seed,
                   skip_on, layer_policy, schedule, set_by, b_max, b_min, horizon, warmup, exponent,
                   target_speedup, kv_on, kv_policy, kv_budget_pct, kv_recent_pct, tau_init,
-                  tau_end) -> ComparisonRequest:
+                  tau_end, tuned=False) -> ComparisonRequest:
     """The edge: raw control values -> a frozen ``ComparisonRequest``, or an ``InputError``.
 
     Ranges are checked by the library (``GenerationSettings``, ``make_skipdecode``,
@@ -195,7 +239,8 @@ def build_request(num_layers: int, *, model: str, prompt, max_new_tokens, decodi
                                 tau_init=_number(tau_init), tau_end=_number(tau_end), seed=seed)
         except InputError as error:
             raise InputError(f"{error} (the app's KV budget and recent window are in %: 50 means 0.5)") from None
-    return ComparisonRequest(model=model, prompt=prompt, settings=settings, skip=skip, kv=kv)
+    return ComparisonRequest(model=model, prompt=prompt, settings=settings, skip=skip, kv=kv,
+                             tuned=_flag("tuned weights on/off", tuned))
 
 
 def preview_schedule(num_layers: int, *, max_new_tokens, schedule, set_by, b_max, b_min, horizon, warmup,
@@ -212,16 +257,22 @@ def preview_schedule(num_layers: int, *, max_new_tokens, schedule, set_by, b_max
 FULL_LABEL, SKIPKEY_LABEL = "Full model", "SkipKey"
 
 
-def compare(loaded: LoadedModel, request: ComparisonRequest,
-            stop: threading.Event | None = None) -> Iterator[tuple[Trace, Trace]]:
+def compare(loaded: LoadedModel, request: ComparisonRequest, stop: threading.Event | None = None,
+            tuned: LoadedModel | None = None) -> Iterator[tuple[Trace, Trace]]:
     """Full model and SkipKey, interleaved one step each on the same device.
+
+    The full side always runs ``loaded``; SkipKey's side runs ``tuned`` (the
+    same model with its SkipDecode adapter merged) when the request asks for it.
 
     Alternating ``next()`` on the two generators keeps both under the same machine
     load, and each side's timings are its own steps only (``StepEvent.seconds``).
     Yields the two (growing) traces after every pair of steps. ``stop`` ends both;
     closing this generator closes both engine loops, which frees their caches.
     """
-    full, skipkey = Engine(loaded), Engine(loaded, skip=request.skip, kv=request.kv)
+    if request.tuned and tuned is None:
+        raise InputError("this request asks for the tuned weights: pass the tuned model")
+    full = Engine(loaded)
+    skipkey = Engine(tuned if request.tuned else loaded, skip=request.skip, kv=request.kv)
     traces = (Trace.for_engine(full, FULL_LABEL), Trace.for_engine(skipkey, SKIPKEY_LABEL))
     # Only SkipKey's kept positions are drawn; the full model's would cost memory for nothing.
     streams = [full.generate([request.prompt], request.settings, stop=stop, record=False),

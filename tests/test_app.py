@@ -43,15 +43,30 @@ def tiny(tiny_models):
     return lm
 
 
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny, tmp_path_factory):
+    """A SkipDecode adapter trained for a few steps on ``tiny`` (as the committed one is on the embedded model)."""
+    from skipkey.finetune import FinetuneConfig, train
+
+    root = tmp_path_factory.mktemp("app-lora")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SKIPKEY_CACHE", str(root / "cache"))
+        cfg = FinetuneConfig(model=tiny.name, out=str(root / "lora"), steps=4, batch_size=4, lr=5e-2,
+                             warmup_steps=0, gen_len=8, sequences=8, targets=(2.0,), checkpoint_every=4)
+        train(cfg, tiny, work_dir=root / "work", log=lambda msg: None)
+    return root / "lora"
+
+
 @pytest.fixture
-def demo(tiny):
+def demo(tiny, tiny_adapter):
     calls = []
 
     def loader(name):
         calls.append(name)
         return tiny
 
-    demo = app.build_demo(loader=loader, figure_every=2, figure_interval=0, text_interval=0)
+    demo = app.build_demo(loader=loader, adapters={"embedded": tiny_adapter}, figure_every=2, figure_interval=0,
+                          text_interval=0)
     demo.loader_calls = calls
     return demo
 
@@ -310,8 +325,8 @@ def test_memory_stays_flat_across_requests(demo):
 
 def test_select_model_fits_the_sliders_to_the_model(demo):
     *loading, ready = demo.handlers["select_model"]("embedded")
-    status, b_max, b_min, warmup, target, max_tokens = ready
-    assert "6 layers" in status
+    status, b_max, b_min, warmup, target, max_tokens, tuned = ready
+    assert "6 layers" in status and "tuned weights available" in status and tuned["interactive"] is True
     assert b_max["maximum"] == 6 and b_min["maximum"] == 6 and warmup["maximum"] == 5
     assert target["maximum"] == 3.0
     with pytest.raises(gr.Error, match="not offered here"):
@@ -385,3 +400,50 @@ def test_a_finished_run_keeps_a_bounded_history(tiny):
     assert thin.tokens() == sk.tokens() and all(e.kept is not None for e in sk.events), "the original is untouched"
     assert app_logic.recorded_step(thin, 7) == max(i for i in held if i <= 7)
     assert app_logic.recorded_step(thin, 500) == 39
+
+
+# -- the tuned toggle -------------------------------------------------------------------
+def test_tuned_weights_run_on_the_skipkey_side_only(demo, tiny, tiny_adapter):
+    from skipkey.finetune import load_tuned
+
+    outputs = run(demo, max_new_tokens=8, tuned=True, kv_on=False)
+    status, full_text, _, skip_text, *_ = outputs[-1]
+    assert status.startswith("**Done**") and "SkipDecode-tuned weights" in status
+    req = request_for(max_new_tokens=8, tuned=True, kv_on=False)
+    tuned_model = load_tuned(tiny, tiny_adapter)
+    assert full_text == Trace.collect(Engine(tiny), [req.prompt], req.settings).text()
+    assert skip_text == Trace.collect(Engine(tuned_model, skip=req.skip), [req.prompt], req.settings).text()
+    # The adapter really changes the skipping model's output here (else this test could not fail).
+    assert skip_text != Trace.collect(Engine(tiny, skip=req.skip), [req.prompt], req.settings).text()
+    run(demo, max_new_tokens=4, tuned=True)
+    assert demo.loader_calls == ["embedded"] and demo.models.tuned_future("embedded").result().name.endswith(
+        "+skipdecode-lora"), "the base is loaded once and the tuned copy made from it"
+
+
+def test_tuned_weights_are_refused_for_a_model_without_an_adapter(tiny):
+    demo = app.build_demo(loader=lambda name: tiny, adapters={})
+    *_, ready = demo.handlers["select_model"]("embedded")
+    assert ready[-1] == {"__type__": "update", "interactive": False, "value": False}
+    with pytest.raises(gr.Error, match="no SkipDecode-tuned adapter here"):
+        run(demo, max_new_tokens=4, tuned=True)
+    with pytest.raises(gr.Error, match="tuned weights on/off must be true or false"):
+        run(demo, max_new_tokens=4, tuned="yes")
+    assert run(demo, max_new_tokens=4, tuned=False)[-1][0].startswith("**Done**")
+
+
+def test_the_tuned_copy_is_made_once_and_a_failure_is_retried(tiny, tiny_adapter):
+    calls = []
+
+    def tuner(loaded, directory):
+        calls.append(directory)
+        if len(calls) == 1:
+            raise ModelLoadError("the adapter could not be read")
+        return loaded
+
+    cache = ModelCache(lambda name: tiny, allowed=("embedded",), adapters={"embedded": tiny_adapter}, tuner=tuner)
+    with pytest.raises(ModelLoadError, match="could not be read"):
+        cache.tuned_future("embedded").result()
+    assert cache.tuned_future("embedded").result() is tiny and cache.tuned_future("embedded").result() is tiny
+    assert calls == [tiny_adapter, tiny_adapter]
+    with pytest.raises(InputError, match="no SkipDecode-tuned adapter"):
+        ModelCache(lambda name: tiny, allowed=("embedded",), adapters={}).tuned_future("embedded")

@@ -21,7 +21,7 @@ from gradio_client.exceptions import AppError  # noqa: E402
 CONTROLS = dict(prompt=PROMPTS[0], model="embedded", max_new_tokens=8, decoding="greedy", temperature=1.0, seed=0,
                 skip_on=True, layer_policy="top", schedule="linear", set_by="layers", b_max=6, b_min=2, horizon=6,
                 warmup=1, exponent=2.0, target_speedup=2.0, kv_on=True, kv_policy="keyformer", kv_budget_pct=50,
-                kv_recent_pct=30, tau_init=1.0, tau_end=2.0)
+                kv_recent_pct=30, tau_init=1.0, tau_end=2.0, tuned=False)
 
 
 @pytest.fixture(scope="module")

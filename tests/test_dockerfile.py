@@ -92,3 +92,4 @@ def test_dockerignore_keeps_local_state_out():
                if line.strip() and not line.startswith("#")}
     assert {".git", ".venv"} <= ignored
     assert "skipkey" not in ignored and "app.py" not in ignored and "requirements.txt" not in ignored
+    assert "assets" not in ignored and "!assets/skipdecode-lora" in ignored, "the app offers the tuned adapter"
