@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", nargs="+", default=["kv"], choices=["kv", "skip", "tuned"],
                    help="kv: policies x budgets (retrieval, agreement, perplexity); skip: SkipDecode policies x "
                         "targets; tuned: the same, untuned vs --adapter, side by side")
-    p.add_argument("--prompts", type=int, default=20, help="ordinary prompts for agreement")
+    p.add_argument("--prompts", type=int, default=20,
+                   help="prompts for agreement: ordinary prompts (skip, tuned) or documents (kv)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--retrieval-lengths", type=int, nargs="*", default=[1024, 2048, 4096],
                    help="prompt lengths for the retrieval test; none (the flag alone) skips it")
@@ -291,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-policies", nargs="+", default=list(POLICIES))
     p.add_argument("--ppl-tokens", type=int, default=256,
                    help="long-text perplexity: tokens scored after a --ppl-prompt-tokens prompt")
+    p.add_argument("--kv-prompt-tokens", type=int, default=384,
+                   help="KV agreement: documents of about this many tokens are continued (the budget is a share)")
     p.add_argument("--ppl-prompt-tokens", type=int, default=1024,
                    help="long-text perplexity: the prompt (what the KV budget is a share of)")
     p.add_argument("--seed", type=int, default=0)

@@ -118,6 +118,26 @@ def long_text_ids(tokenizer, tokens: int) -> list[int]:
     return tokenizer(text, add_special_tokens=True)["input_ids"][:tokens]
 
 
+def document_prompts(tokenizer, count: int, tokens: int) -> list[str]:
+    """``count`` ordinary documents cut to about ``tokens`` tokens each, to be continued.
+
+    Python's help topics (installed with Python), taken from the end of the list so
+    they do not overlap the long-text perplexity passage, which starts at its head.
+    The KV budget is a share of the prompt, so agreement needs prompts long enough
+    for a budget to mean something: 25% of a 10-token prompt keeps two tokens.
+    """
+    from pydoc_data.topics import topics
+
+    long_enough = [topics[k] for k in sorted(topics, reverse=True) if len(topics[k]) >= 6 * tokens]
+    if count > len(long_enough):
+        raise InputError(f"at most {len(long_enough)} document prompts of {tokens} tokens exist here, asked {count}")
+    prompts = []
+    for text in long_enough[:count]:
+        ids = tokenizer(text.strip(), add_special_tokens=False)["input_ids"][:tokens]
+        prompts.append(tokenizer.decode(ids))
+    return prompts
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     label: str
@@ -325,7 +345,9 @@ def main(args) -> int:
             result["kv_retrieval"] = retrieval(loaded, configs, args.retrieval_lengths, args.retrieval_samples,
                                                args.seed, log)
             print(markdown_table(result["kv_retrieval"], ["label", "length", "accuracy", "samples"]))
-        result["kv_agreement"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
+        documents = document_prompts(loaded.tokenizer, args.prompts, args.kv_prompt_tokens)
+        result["kv_prompt_tokens"] = args.kv_prompt_tokens
+        result["kv_agreement"] = quality(loaded, configs, documents, args.max_new_tokens, log)
         print(markdown_table(result["kv_agreement"], ["label", *QUALITY_COLUMNS]))
         result["kv_long_text"] = long_text_perplexity(loaded, configs, args.ppl_prompt_tokens, args.ppl_tokens, log)
         print(markdown_table(result["kv_long_text"], ["label", "ppl", "next_token_accuracy"]))

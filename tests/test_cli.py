@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from skipkey.cli import main
+from skipkey.errors import InputError
 from skipkey.tiny import tiny_model
 
 
@@ -89,12 +90,14 @@ def test_bench_reports_ratios_against_full_and_generate(capsys, model_dir, tmp_p
 def test_kv_eval_without_retrieval_reports_agreement_and_long_text_scores(capsys, model_dir, tmp_path):
     out_file = tmp_path / "eval.json"
     argv = ["eval", "--model", model_dir, "--suite", "kv", "--retrieval-lengths", "--prompts", "2",
-            "--max-new-tokens", "6", "--budgets", "0.5", "--kv-policies", "h2o", "--ppl-prompt-tokens", "64",
+            "--max-new-tokens", "6", "--budgets", "0.5", "--kv-policies", "h2o", "--kv-prompt-tokens", "48",
+            "--ppl-prompt-tokens", "64",
             "--ppl-tokens", "16", "--output", str(out_file)]
     code, out, _ = run_cli(capsys, *argv)
     assert code == 0
     result = json.loads(out_file.read_text())
     assert "kv_retrieval" not in result and result["command"] == "python -m skipkey " + " ".join(argv)
+    assert result["kv_prompt_tokens"] == 48
     rows = {row["label"]: row for row in result["kv_agreement"]}
     assert set(rows) == {"full", "h2o 50%", "keyformer 50% + skip 2x"}
     # The full model's own greedy continuations: every position is its argmax.
@@ -113,3 +116,16 @@ def test_module_entry_point(model_dir):
                            "--max-new-tokens", "3", "--json"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["token_ids"]) >= 1
+
+
+def test_document_prompts_are_distinct_long_and_apart_from_the_perplexity_text():
+    from skipkey.evaluate import document_prompts, long_text_ids
+
+    tokenizer = tiny_model("gemma3").tokenizer
+    prompts = document_prompts(tokenizer, 6, 200)
+    assert len(set(prompts)) == 6
+    assert all(190 <= len(tokenizer(p, add_special_tokens=False)["input_ids"]) <= 210 for p in prompts)
+    passage = tokenizer.decode(long_text_ids(tokenizer, 400))
+    assert not any(p[:80] in passage for p in prompts)
+    with pytest.raises(InputError, match="at most"):
+        document_prompts(tokenizer, 500, 200)
