@@ -17,7 +17,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
-from skipkey.metrics import compute, memory, percentile, speed
+from skipkey.metrics import compute, memory, percentile, speed, step_cost
 from skipkey.trace import Trace
 
 FILLER = ("The committee met on a grey morning to review the harbour's accounts. Ships had come and gone, "
@@ -57,6 +57,8 @@ class Sample:
     kv_bytes: int | None = None
     nominal_speedup: float | None = None
     compute_ratio: float | None = None
+    ms_per_layer: float | None = None  # fitted over the run's steps (skipping schedules only)
+    fixed_ms: float | None = None
 
 
 def time_generate(loaded, prompt_ids: list[list[int]], settings: GenerationSettings) -> Sample:
@@ -85,10 +87,11 @@ def time_engine(engine: Engine, prompt_ids: list[list[int]], settings: Generatio
     trace = Trace.for_engine(engine)
     for event in engine.generate(prompt_ids, settings):
         trace.add(event)
-    s, c, m = speed(trace), compute(trace), memory(trace)
+    s, c, m, cost = speed(trace), compute(trace), memory(trace), step_cost(trace)
     return Sample(ttft_s=s.ttft_s, tokens_per_s=s.tokens_per_s, ms_p50=s.ms_per_token_p50,
                   ms_p90=s.ms_per_token_p90, new_tokens=len(trace.events), kv_bytes=m.kv_bytes_peak,
-                  nominal_speedup=c.nominal_speedup, compute_ratio=c.compute_ratio)
+                  nominal_speedup=c.nominal_speedup, compute_ratio=c.compute_ratio,
+                  ms_per_layer=cost.ms_per_layer if cost else None, fixed_ms=cost.fixed_ms if cost else None)
 
 
 @dataclass
@@ -143,6 +146,8 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
             "kv_share_of_full": (v.median("kv_bytes") / full_kv) if full_kv and v.median("kv_bytes") else None,
             "nominal_speedup": v.median("nominal_speedup"),
             "compute_ratio": v.median("compute_ratio"),
+            "ms_per_layer": v.median("ms_per_layer"),
+            "fixed_ms": v.median("fixed_ms"),
             "samples": [s.__dict__ for s in v.samples],
         }
         rows.append(row)
@@ -154,7 +159,7 @@ def format_table(result: dict) -> str:
     head = (f"batch {result['batch']}, prompt {max(result['prompt_tokens'])} tokens, "
             f"{result['max_new_tokens']} new tokens, median of {result['repeats']}")
     lines = [head, f"{'variant':<34}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'TTFT s':>9}{'KV MB':>9}"
-                   f"{'vs full':>9}{'vs gen':>9}{'nominal':>9}{'compute':>9}"]
+                   f"{'vs full':>9}{'vs gen':>9}{'nominal':>9}{'compute':>9}{'ms/layer':>9}{'fixed ms':>9}"]
 
     def fmt(x, spec, suffix=""):
         width = int(spec.split(".")[0])
@@ -165,5 +170,6 @@ def format_table(result: dict) -> str:
         lines.append(f"{r['variant']:<34}{fmt(r['tokens_per_s'], '9.1f')}{fmt(r['ms_per_token_p50'], '9.1f')}"
                      f"{fmt(r['ms_per_token_p90'], '9.1f')}{fmt(r['ttft_s'], '9.3f')}{fmt(kv, '9.1f')}"
                      f"{fmt(r['speedup_vs_full'], '9.2f', 'x')}{fmt(r['speedup_vs_generate'], '9.2f', 'x')}"
-                     f"{fmt(r['nominal_speedup'], '9.2f', 'x')}{fmt(r['compute_ratio'], '9.2f', 'x')}")
+                     f"{fmt(r['nominal_speedup'], '9.2f', 'x')}{fmt(r['compute_ratio'], '9.2f', 'x')}"
+                     f"{fmt(r.get('ms_per_layer'), '9.2f')}{fmt(r.get('fixed_ms'), '9.1f')}")
     return "\n".join(lines)

@@ -66,6 +66,33 @@ def compute(trace: Trace) -> Compute:
 
 
 @dataclass(frozen=True)
+class StepCost:
+    """Decode step time fitted as ``fixed + layers * per_layer`` (least squares over the steps).
+
+    Where the compute ratio counts parameters, this measures: ``fixed_ms`` is what a
+    step costs whatever it skips (LM head, sampling, the loop), ``ms_per_layer`` one
+    decoder layer. Needs steps with different layer counts (a skipping schedule).
+    """
+
+    ms_per_layer: float
+    fixed_ms: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_cost(trace: Trace) -> StepCost | None:
+    """The fitted step cost, or None when every decode step ran the same number of layers."""
+    events = trace.decode_events
+    layers = np.array([len(e.layers) for e in events], dtype=float)
+    if len(events) < 2 or np.ptp(layers) == 0:
+        return None
+    seconds = np.array([e.seconds for e in events], dtype=float)
+    slope, intercept = np.polyfit(layers, seconds, 1)
+    return StepCost(ms_per_layer=float(slope) * 1e3, fixed_ms=float(intercept) * 1e3)
+
+
+@dataclass(frozen=True)
 class Memory:
     kv_bytes_final: int
     kv_bytes_peak: int  # largest cache held after any step

@@ -1,0 +1,35 @@
+"""Metrics are pure functions of a recorded trace: checked on traces built by hand."""
+
+import pytest
+
+from skipkey.engine import StepEvent
+from skipkey.metrics import compute, speed, step_cost
+from skipkey.trace import Trace
+
+
+def trace_of(layer_counts, seconds, num_layers=8):
+    trace = Trace(num_layers=num_layers, layer_cost=100.0, head_cost=200.0)
+    for step, (count, s) in enumerate(zip(layer_counts, seconds)):
+        trace.add(StepEvent(step=step, tokens=(1,), texts=("a",), finished=(False,), layers=tuple(range(count)),
+                            seconds=s, kv_bytes=0, cache_lengths=(0,)))
+    return trace
+
+
+def test_step_cost_recovers_the_fixed_and_per_layer_time():
+    counts = [8, 8, 7, 6, 5, 4, 3, 3]
+    trace = trace_of(counts, [0.5] + [0.004 + 0.002 * c for c in counts[1:]])  # token 0 (the prompt) is excluded
+    cost = step_cost(trace)
+    assert cost.ms_per_layer == pytest.approx(2.0) and cost.fixed_ms == pytest.approx(4.0)
+    assert speed(trace).decode_tokens == 7 and speed(trace).ttft_s == 0.5
+
+
+def test_step_cost_needs_steps_of_different_depth():
+    assert step_cost(trace_of([8, 8, 8, 8], [0.1, 0.02, 0.02, 0.02])) is None
+    assert step_cost(trace_of([8, 4], [0.1, 0.02])) is None  # one decode step
+
+
+def test_compute_ratio_counts_the_head_that_never_skips():
+    trace = trace_of([8, 4, 4], [0.1, 0.01, 0.01])
+    c = compute(trace)
+    assert c.nominal_speedup == pytest.approx(2.0)
+    assert c.compute_ratio == pytest.approx((8 * 100 + 200) / (4 * 100 + 200))
