@@ -95,19 +95,29 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
     survivors_from = None
     if layer.window is not None and q > 1:
         survivors_from = query_positions.max(dim=1).values + 1 - layer.window
+    # A prompt pass with no past: slot i holds the i-th token fed (after left padding), so the
+    # chunk's queries see no slot after ``stop`` and, in a sliding layer, none before its window.
+    # Scoring only that band is exact and halves the work of a long prompt.
+    prompt_only = q == key.shape[2]
     for start in range(0, q, SCORE_CHUNK):
         stop = min(q, start + SCORE_CHUNK)
         qpos = query_positions[:, start:stop]
         if survivors_from is not None and bool((qpos.max(dim=1).values <= survivors_from).all()):
             continue
+        lo, hi = 0, key.shape[2]
+        if prompt_only:
+            hi = stop
+            if layer.window is not None:
+                lo = max(0, start - layer.window + 1)
+        positions = layer.positions[:, :, lo:hi]
         qc = query[:, :, start:stop].float().reshape(b, hkv, hq // hkv, stop - start, d)
-        logits = torch.einsum("bhgqd,bhsd->bhgqs", qc, keys) * scaling
-        slots = torch.arange(start, stop, device=query.device) if q == key.shape[2] else None
-        allowed = allowed_keys(layer.positions, qpos, layer.window, slots)
+        logits = torch.einsum("bhgqd,bhsd->bhgqs", qc, keys[:, :, lo:hi]) * scaling
+        slots = torch.arange(start - lo, stop - lo, device=query.device) if prompt_only else None
+        allowed = allowed_keys(positions, qpos, layer.window, slots)
         logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
-        probs = contribution(logits, NoiseIndex(layer_idx, qpos, layer.positions))
+        probs = contribution(logits, NoiseIndex(layer_idx, qpos, positions))
         probs = probs * (qpos >= 0)[:, None, None, :, None]
-        total += probs.sum(dim=(2, 3))
+        total[:, :, lo:hi] += probs.sum(dim=(2, 3))
     layer.scores = layer.scores + total
 
 

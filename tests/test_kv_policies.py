@@ -193,3 +193,33 @@ def test_chunked_prefill_scoring_keeps_the_same_tokens(tiny_models, monkeypatch,
     monkeypatch.setattr(attention, "SCORE_CHUNK", 16)
     for a, b in zip(whole, kept()):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_prefill_scores_are_the_same_in_any_chunking(monkeypatch, window):
+    """Scoring only each chunk's causal (and window) band equals scoring every key."""
+    import skipkey.attention as attention
+    from skipkey.cache import LayerCache
+
+    torch.manual_seed(0)
+    b, hkv, groups, s, d = 2, 2, 2, 70, 8
+    query, key = torch.randn(b, hkv * groups, s, d), torch.randn(b, hkv, s, d)
+    pad = 9  # the second row is left-padded
+    qpos = torch.stack([torch.arange(s), torch.arange(s) - pad]).clamp(min=-1)
+    policy = make_kv_policy("keyformer", budget=0.5)
+
+    def scores(chunk):
+        monkeypatch.setattr(attention, "SCORE_CHUNK", chunk)
+        layer = LayerCache(window)
+        layer.append(key, key, qpos, dense=False)
+        attention.accumulate_scores(layer, 3, query, key, d ** -0.5, qpos,
+                                    lambda logits, where: policy.contribution(logits, 0, 10, where))
+        return layer.scores
+
+    # A sliding layer keeps only its window after the prompt; chunks that see none of it are skipped.
+    survives = (qpos >= 0) if window is None else (qpos > qpos.max(dim=1, keepdim=True).values - window)
+    survives = survives[:, None, :].expand(b, hkv, s)
+    whole = scores(4096)
+    for chunk in (7, 16, 33):
+        torch.testing.assert_close(scores(chunk)[survives], whole[survives], rtol=1e-5, atol=1e-5)
+    assert whole[1, :, :pad].abs().sum() == 0 and whole[survives].min() > 0  # padding is never scored
