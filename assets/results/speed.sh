@@ -14,6 +14,13 @@ $py --model embedded --prompt-tokens 64 --max-new-tokens 32 --batch 1 8 --repeat
     --compare-targets 1.5 2 3 5 --output $out/bench_skip_embedded.json
 $py --model random:opt-1.3b --prompt-tokens 64 --max-new-tokens 24 --batch 1 8 --repeats 2 \
     --compare-targets 1.5 2 3 5 --output $out/bench_skip_opt1.3b.json
+# Batch 1 on the OPT-1.3B shape again, longer (the README's batch-1 rows; step-cost fit per variant).
+$py --model random:opt-1.3b --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 5 \
+    --compare-targets 1.5 2 3 5 --output $out/bench_skip_opt1.3b_b1.json
+
+# Tuned (SkipDecode LoRA merged) against untuned at the same schedules: equal speed expected.
+$py --model embedded --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 5 --compare-targets 2 3 \
+    --adapter assets/skipdecode-lora --output $out/bench_tuned.json
 
 # KV policies at 50% of the prompt, prompts of 1k, 2k and 4k tokens: embedded model, and a multi-head Llama
 # shape whose attention over the cache is a real share of each step.
