@@ -55,3 +55,23 @@ def test_batch_rows_match_solo_on_embedded_model(embedded):
     batch = Trace.collect(Engine(embedded), PROMPTS, settings)
     for row, prompt in enumerate(PROMPTS):
         assert batch.tokens(row) == Trace.collect(Engine(embedded), [prompt], settings).tokens()
+
+
+def test_the_committed_adapter_fits_the_embedded_model_and_lowers_skipping_perplexity(embedded):
+    """assets/skipdecode-lora loads onto the embedded model (the app's 'tuned weights') and does what it was
+    trained for: the full model's own continuation is far more likely under the tuned skipping model."""
+    from skipkey.app_logic import EMBEDDED_ADAPTER
+    from skipkey.evaluate import EvalConfig, teacher_forced
+    from skipkey.finetune import load_tuned
+    from skipkey.skipdecode import make_skipdecode
+
+    tuned = load_tuned(embedded, EMBEDDED_ADAPTER)
+    assert tuned.model.get_input_embeddings().weight is embedded.model.get_input_embeddings().weight
+    settings = GenerationSettings(max_new_tokens=24, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    reference = Trace.collect(Engine(embedded), prompts, settings)
+    refs = [reference.tokens(r) for r in range(len(prompts))]
+    skip = make_skipdecode(embedded.num_layers, 23, target=2.0)
+    untuned_ppl, _ = teacher_forced(embedded, EvalConfig("top 2x", skip=skip), prompts, refs)
+    tuned_ppl, _ = teacher_forced(embedded, EvalConfig("top 2x tuned", skip=skip, model=tuned), prompts, refs)
+    assert tuned_ppl < untuned_ppl / 10, (tuned_ppl, untuned_ppl)
