@@ -219,7 +219,21 @@ def gumbel_noise(seed: int, where, shape) -> torch.Tensor:
     # every (query, key) pair of a long prompt, so it is kept to a single round.
     key = _mix(base + where.query_positions[:, None, None, :, None] * 0x85EBCA77
                + where.key_positions.expand(b, hkv, s)[:, :, None, None, :] * 0xC2B2AE3D)
-    uniform = (_shr(key, 40).float() + 0.5) / float(1 << 24)
+    return _gumbel_from_bits(_shr(key, 40))
+
+
+_TOP_UNIFORM = 1.0 - 2.0 ** -24  # the largest float32 below 1
+
+
+def _gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) from 24 random bits, finite for every input.
+
+    ``(bits + 0.5) / 2**24`` lies strictly inside (0, 1), but in float32 the top
+    value rounds to exactly 1.0, where ``-log(-log(u))`` is +inf: one such entry
+    turns a softmax row into NaN and, summed into the scores, a whole head's
+    eviction into garbage. Long prompts score millions of pairs, so it happens.
+    """
+    uniform = ((bits.float() + 0.5) / float(1 << 24)).clamp_(max=_TOP_UNIFORM)
     return -torch.log(-torch.log(uniform))
 
 

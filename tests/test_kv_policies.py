@@ -223,3 +223,25 @@ def test_prefill_scores_are_the_same_in_any_chunking(monkeypatch, window):
     for chunk in (7, 16, 33):
         torch.testing.assert_close(scores(chunk)[survives], whole[survives], rtol=1e-5, atol=1e-5)
     assert whole[1, :, :pad].abs().sum() == 0 and whole[survives].min() > 0  # padding is never scored
+
+
+def test_gumbel_noise_is_finite_for_every_draw():
+    """The extreme 24-bit draws (0 and 2**24 - 1) give finite noise: in float32 the top one used to round to
+    u = 1.0, an infinite Gumbel value, a NaN softmax row, and a whole head's scores turned to NaN."""
+    from skipkey.kv_policies import _gumbel_from_bits
+
+    bits = torch.tensor([0, 1, 2**23, 2**24 - 2, 2**24 - 1], dtype=torch.int64)
+    noise = _gumbel_from_bits(bits)
+    assert torch.isfinite(noise).all()
+    assert noise[0] < noise[1] < noise[2] < noise[3] <= noise[4]
+
+
+def test_keyformer_scores_stay_finite_on_a_long_prompt_and_every_head_keeps_its_budget(tiny_models):
+    lm = tiny_models("llama")
+    ids = [1 + (i * 7919) % 250 for i in range(900)]
+    trace = Trace.collect(Engine(lm, kv=make_kv_policy("keyformer", budget=0.25)), [ids],
+                          GenerationSettings(max_new_tokens=3), record=True)
+    k = round(0.25 * len(ids))
+    for event in trace.events:
+        for kept in event.kept:
+            assert ((kept[0] >= 0).sum(-1) == k).all()
