@@ -241,12 +241,10 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                 return
             try:
                 req = build_request(loaded.num_layers, **controls)
-                if req.tuned:
-                    models.check_tuned(model)
             except InputError as error:
                 raise _user_error(str(error)) from None
             tuned_model = None
-            if req.tuned:
+            if req.tuned:  # a model without an adapter is refused here, with the models that have one
                 tuned_model = yield from wait_for_model(model, others=10, stop=stop, tuned=True)
                 if tuned_model is None:
                     return
