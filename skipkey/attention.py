@@ -33,17 +33,26 @@ class StepState:
 
     cache: object  # skipkey.cache.KVCache
     query_positions: torch.Tensor  # [B, q], EMPTY (-1) for padding
-    # (logits [B, Hkv, G, q, S] float32, -inf where masked; NoiseIndex) -> score contribution, same shape
-    contribution: Callable[[torch.Tensor, "NoiseIndex"], torch.Tensor] | None = None
+    dense: bool = True  # no padding among the queries
+    # (logits [B, Hkv, G, q, S] float32, -inf where masked; probs, the same softmaxed, or None; NoiseIndex)
+    # -> score contribution, same shape
+    contribution: Callable[[torch.Tensor, torch.Tensor | None, "NoiseIndex"], torch.Tensor] | None = None
+    accumulate: bool = True  # add each step's contribution (H2O, Keyformer) or replace it (TOVA)
+    observe: int = 0  # prompt scores from each row's last ``observe`` queries only (0: all)
 
 
 @dataclass(frozen=True)
 class NoiseIndex:
-    """Where each logit sits: enough to draw noise that does not depend on batching or slot order."""
+    """Where each logit sits: enough to draw noise that does not depend on batching or slot order.
+
+    ``key_start`` [B], when given, says the keys hold consecutive positions from it
+    (a prompt chunk), which lets noise be read as one contiguous run per query.
+    """
 
     layer: int
     query_positions: torch.Tensor  # [B, q]
     key_positions: torch.Tensor  # [B, Hp, S]
+    key_start: torch.Tensor | None = None
 
 
 def allowed_keys(positions: torch.Tensor, query_positions: torch.Tensor, window: int | None,
@@ -65,13 +74,13 @@ def allowed_keys(positions: torch.Tensor, query_positions: torch.Tensor, window:
     return allowed
 
 
-def _mask_for_output(layer, query_positions: torch.Tensor) -> torch.Tensor | None:
+def _mask_for_output(layer, positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor | None:
     """``None`` where SDPA's own causal/no-mask path is exact, else the explicit mask."""
-    q, s = query_positions.shape[1], len(layer)
+    q, s = query_positions.shape[1], positions.shape[-1]
     if layer.dense and (q == 1 or (q == s and (layer.window is None or q <= layer.window))):
         return None
     slots = torch.arange(q, device=query_positions.device) if q == s else None
-    return allowed_keys(layer.positions, query_positions, layer.window, slots)
+    return allowed_keys(positions, query_positions, layer.window, slots)
 
 
 def _expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
@@ -80,29 +89,44 @@ def _expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | N
     return mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
 
 
-def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
-                      query_positions: torch.Tensor, contribution) -> None:
-    """Add each query's score contribution to ``layer.scores`` [B, Hkv, S], summed over GQA groups."""
-    b, hq, q, d = query.shape
-    hkv = key.shape[1]
+def _per_head_scores(layer, rows: int, hkv: int) -> torch.Tensor:
     layer.ensure_scores()
     if layer.scores.shape[1] != hkv:
-        layer.scores = layer.scores.expand(b, hkv, -1).contiguous()
-    keys = key.float()
+        layer.scores = layer.scores.expand(rows, hkv, -1).contiguous()
+    return layer.scores
+
+
+def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
+                      query_positions: torch.Tensor, contribution, observe: int = 0) -> None:
+    """Add each prompt query's score contribution to ``layer.scores`` [B, Hkv, S], summed over GQA groups.
+
+    Logits are computed in the model's dtype (as eager attention does) in query
+    chunks, so prefill memory stays bounded. ``observe`` > 0 scores only each row's
+    last ``observe`` queries (SnapKV's observation window).
+    """
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    groups = hq // hkv
+    scores = _per_head_scores(layer, b, hkv)
     total = torch.zeros(b, hkv, key.shape[2], device=key.device, dtype=torch.float32)
+    last = query_positions.max(dim=1).values  # [B]: each row's last prompt position
     # In a sliding-window layer only keys newer than (last position + 1 - window) survive the
     # prompt; queries at or before that line see none of them, so their chunks are skipped.
-    survivors_from = None
+    skip_until = torch.full_like(last, -1)
     if layer.window is not None and q > 1:
-        survivors_from = query_positions.max(dim=1).values + 1 - layer.window
+        skip_until = torch.maximum(skip_until, last + 1 - layer.window)
+    if observe > 0:
+        skip_until = torch.maximum(skip_until, last - observe)
     # A prompt pass with no past: slot i holds the i-th token fed (after left padding), so the
     # chunk's queries see no slot after ``stop`` and, in a sliding layer, none before its window.
     # Scoring only that band is exact and halves the work of a long prompt.
     prompt_only = q == key.shape[2]
-    for start in range(0, q, SCORE_CHUNK):
+    first_slot_position = last - (q - 1)  # position slot 0 holds in each row (negative under padding)
+    first = max(0, q - observe) if observe > 0 and prompt_only else 0
+    for start in range(first, q, SCORE_CHUNK):
         stop = min(q, start + SCORE_CHUNK)
         qpos = query_positions[:, start:stop]
-        if survivors_from is not None and bool((qpos.max(dim=1).values <= survivors_from).all()):
+        if bool((qpos.max(dim=1).values <= skip_until).all()):
             continue
         lo, hi = 0, key.shape[2]
         if prompt_only:
@@ -110,15 +134,45 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
             if layer.window is not None:
                 lo = max(0, start - layer.window + 1)
         positions = layer.positions[:, :, lo:hi]
-        qc = query[:, :, start:stop].float().reshape(b, hkv, hq // hkv, stop - start, d)
-        logits = torch.einsum("bhgqd,bhsd->bhgqs", qc, keys[:, :, lo:hi]) * scaling
+        qc = query[:, :, start:stop].reshape(b, hkv, groups * (stop - start), d)
+        logits = torch.matmul(qc, key[:, :, lo:hi].transpose(-1, -2)).float()
+        logits = logits.mul_(scaling).view(b, hkv, groups, stop - start, hi - lo)
         slots = torch.arange(start - lo, stop - lo, device=query.device) if prompt_only else None
         allowed = allowed_keys(positions, qpos, layer.window, slots)
-        logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
-        probs = contribution(logits, NoiseIndex(layer_idx, qpos, positions))
-        probs = probs * (qpos >= 0)[:, None, None, :, None]
+        logits.masked_fill_(~allowed[:, :, None], float("-inf"))
+        where = NoiseIndex(layer_idx, qpos, positions, first_slot_position + lo if prompt_only else None)
+        probs = contribution(logits, where)
+        # Padding queries, and queries before the observation window, add nothing.
+        probs = probs * (qpos > skip_until[:, None])[:, None, None, :, None]
         total[:, :, lo:hi] += probs.sum(dim=(2, 3))
-    layer.scores = layer.scores + total
+    layer.scores = scores + total
+
+
+def _attend_and_score(layer, layer_idx: int, query, key, value, scaling: float, positions, mask,
+                      state: StepState) -> torch.Tensor:
+    """One decode query per row: the logits are computed once, for the output and for the score.
+
+    Matmul in the model's dtype and softmax in float32, as transformers' eager
+    attention does; for a single query this is as fast as SDPA.
+    """
+    b, hq, _, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
+    groups = hq // hkv
+    logits = torch.matmul(query.reshape(b, hkv, groups, d), key.transpose(-1, -2)).float().mul_(scaling)
+    if mask is not None:
+        logits.masked_fill_(~mask[:, :, 0, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probs.to(value.dtype), value)  # [B, Hkv, G, D]
+    contribution = state.contribution(logits.view(b, hkv, groups, 1, s),
+                                      NoiseIndex(layer_idx, state.query_positions, positions))
+    added = contribution.sum(dim=(2, 3))
+    scores = _per_head_scores(layer, b, hkv)
+    view = layer.visible()
+    if state.accumulate:
+        scores[..., view] += added
+    else:
+        scores[..., view] = added
+    return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
 
 def skipkey_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -128,11 +182,17 @@ def skipkey_attention(module, query, key, value, attention_mask, dropout: float 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     layer = skipkey.cache.layers[module.layer_idx]
-    mask = _expand_heads(_mask_for_output(layer, skipkey.query_positions), query.shape[1])
-    out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
+    key, value = layer.write(key, value, skipkey.query_positions, skipkey.dense)
+    positions = layer.visible_positions()
+    mask = _mask_for_output(layer, positions, skipkey.query_positions)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if skipkey.contribution is not None and query.shape[2] == 1:
+        return _attend_and_score(layer, module.layer_idx, query, key, value, scale, positions, mask, skipkey), None
+    out, _ = sdpa_attention_forward(module, query, key, value, _expand_heads(mask, query.shape[1]), dropout=0.0,
+                                    scaling=scaling, **kwargs)
     if skipkey.contribution is not None:
-        accumulate_scores(layer, module.layer_idx, query, key, scaling if scaling is not None else query.shape[-1] ** -0.5,
-                          skipkey.query_positions, skipkey.contribution)
+        accumulate_scores(layer, module.layer_idx, query, key, scale, skipkey.query_positions,
+                          skipkey.contribution, skipkey.observe)
     return out, None
 
 

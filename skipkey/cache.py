@@ -1,12 +1,25 @@
 """The engine-owned KV cache: one ``LayerCache`` per decoder layer.
 
 Each layer holds its keys and values *with the original position of every slot*
-(``positions``, -1 for an empty slot), so attention masks are built from
+(``positions``, EMPTY = -1 for a free slot), so attention masks are built from
 positions rather than from slot indices. That is what lets a layer's cache be
 evicted (Keyformer), trimmed to a sliding window (Gemma 3) or dropped whole
-(SkipDecode) while every mask stays right. Slots stay in position order.
+(SkipDecode) while every mask stays right.
 
-Shapes: keys/values ``[B, Hkv, S, D]``; positions and scores ``[B, Hp, S]``
+Storage never copies the cache on a decode step. The prompt pass keeps the
+prompt's own key/value tensors; right after it, ``settle`` moves what the layer
+keeps into a buffer preallocated for the rest of the run. From then on:
+
+* an *appending* layer (no eviction) writes each new token at the next slot.
+  Slots stay in position order, so a decode step reads exactly the tensor
+  ``generate`` would (bit for bit). A sliding-window layer reads the view of its
+  last ``window`` slots and, when its buffer is full, moves its last
+  ``window - 1`` slots to the front: one copy every ``window`` steps;
+* an *evicting* layer (capacity = budget + eviction interval) writes each new
+  token into a slot that eviction freed, per row and KV head (``scatter_``).
+  Slots then stop being in position order; nothing depends on that order.
+
+Shapes: keys/values ``[B, Hkv, C, D]``; positions and scores ``[B, Hp, C]``
 where ``Hp`` is 1 while all KV heads hold the same positions and ``Hkv`` once a
 per-head policy has evicted.
 """
@@ -21,119 +34,231 @@ EMPTY = -1
 class LayerCache:
     """Keys, values, their positions and (for scoring policies) accumulated scores."""
 
-    __slots__ = ("keys", "values", "positions", "scores", "window", "dense")
+    __slots__ = ("keys", "values", "positions", "scores", "window", "used", "held", "dense", "reuse",
+                 "settled", "full_from")
 
     def __init__(self, window: int | None):
         self.window = window
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
-        self.scores: torch.Tensor | None = None
-        # True when every slot is filled, so a decode query may attend to all of them
-        # without a mask (the fast path that also matches ``generate`` bit for bit).
+        self.clear()
+
+    def clear(self):
+        """Release everything (a layer SkipDecode no longer runs)."""
+        self.keys = self.values = self.positions = self.scores = None
+        self.used = 0  # slots [0, used) have been written; EMPTY ones among them are free
+        self.held = 0  # the most tokens any row and head keeps for later queries
+        # True when every slot a query reads holds a token it may see, so attention needs no mask
+        # (the fast path that also matches ``generate`` bit for bit).
         self.dense = True
+        self.reuse = False  # evicting: new tokens go into freed slots
+        self.settled = False  # storage is the preallocated buffer (after the prompt pass)
+        # Evicting layers: the fewest tokens any row and head holds; every slot is full at that count.
+        self.full_from = 0
 
     def __len__(self) -> int:
+        return self.held
+
+    @property
+    def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
+
+    def _slot_bytes(self) -> int:
+        b, hkv, _, d = self.keys.shape
+        return 2 * b * hkv * d * self.keys.element_size()
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        """Bytes of the tokens this layer keeps (what a budget bounds)."""
+        return 0 if self.keys is None else self.held * self._slot_bytes()
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, dense: bool):
-        """Add new slots; ``positions`` is ``[B, q]`` (EMPTY for padding)."""
-        new_pos = positions[:, None, :]
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the storage itself, free slots included."""
+        return 0 if self.keys is None else self.capacity * self._slot_bytes()
+
+    # -- what attention reads ----------------------------------------------------
+    def visible(self) -> slice:
+        """Slots the current query reads: an appending sliding layer reads only its last ``window``."""
+        if self.window is not None and not self.reuse and self.settled:
+            return slice(max(0, self.used - self.window), self.used)
+        return slice(0, self.used)
+
+    def visible_positions(self) -> torch.Tensor:
+        return self.positions[..., self.visible()]
+
+    # -- writing -------------------------------------------------------------------
+    def write(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, dense: bool):
+        """Store new tokens (``positions`` [B, q], EMPTY for padding); return the keys and values to attend."""
         if self.keys is None:
-            self.keys, self.values, self.positions = keys, values, new_pos
+            # The prompt pass: keep its tensors as they are; ``settle`` sizes the storage afterwards.
+            self.keys, self.values, self.positions = keys, values, positions[:, None, :].clone()
+            self.used = self.held = keys.shape[2]
             self.dense = dense
+            return keys, values
+        q = keys.shape[2]
+        if self.reuse and q == 1:
+            self._write_into_free_slot(keys, values, positions)
         else:
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
-            if self.positions.shape[1] != 1:
-                new_pos = new_pos.expand(-1, self.positions.shape[1], -1)
-            self.positions = torch.cat([self.positions, new_pos], dim=2)
-            self.dense = self.dense and dense
+            self._append(keys, values, positions, dense)
+        view = self.visible()
+        return self.keys[:, :, view], self.values[:, :, view]
+
+    def _write_into_free_slot(self, keys, values, positions):
+        """Evicting layers: the next unused slot while there is one, else a slot eviction freed."""
+        if self.used < self.capacity:
+            end = self.used + 1
+            self.keys[:, :, self.used:end] = keys
+            self.values[:, :, self.used:end] = values
+            self.positions[:, :, self.used:end] = positions[:, None, :]
+            if self.scores is not None:
+                self.scores[:, :, self.used:end] = 0.0
+            self.used = end
+        else:
+            slot = self.positions.argmin(dim=-1, keepdim=True)  # [B, Hp, 1]: EMPTY (capacity keeps one)
+            b, hkv, _, d = self.keys.shape
+            kv_slot = slot[..., None].expand(b, hkv, 1, d)
+            self.keys.scatter_(2, kv_slot, keys)
+            self.values.scatter_(2, kv_slot, values)
+            self.positions.scatter_(-1, slot, positions[:, None, :].expand_as(slot))
+            if self.scores is not None:
+                self.scores.scatter_(-1, slot.expand(b, self.scores.shape[1], 1), 0.0)
+        self.held += 1
+        self.full_from += 1
+        self.dense = self.full_from >= self.used
+
+    def _append(self, keys, values, positions, dense):
+        q = keys.shape[2]
+        if self.used + q > self.capacity:
+            self._make_room(q)
+        end = self.used + q
+        self.keys[:, :, self.used:end] = keys
+        self.values[:, :, self.used:end] = values
+        self.positions[:, :, self.used:end] = positions[:, None, :]
         if self.scores is not None:
-            new_scores = torch.zeros(self.positions.shape[0], self.scores.shape[1], keys.shape[2],
-                                     device=keys.device, dtype=self.scores.dtype)
-            self.scores = torch.cat([self.scores, new_scores], dim=2)
-        return self.keys, self.values
+            self.scores[:, :, self.used:end] = 0.0
+        self.used = end
+        self.held += q
+        self.dense = self.dense and dense
+
+    def _make_room(self, q: int):
+        """Appending layer out of slots: a sliding layer moves its window to the front, others grow."""
+        if self.window is not None and not self.reuse:
+            keep = min(self.used, self.window - 1)
+            lo = self.used - keep
+            if keep + q <= self.capacity and lo >= keep:  # source and destination do not overlap
+                self.keys[:, :, :keep].copy_(self.keys[:, :, lo:self.used])
+                self.values[:, :, :keep].copy_(self.values[:, :, lo:self.used])
+                self.positions[..., :keep].copy_(self.positions[..., lo:self.used])
+                if self.scores is not None:
+                    self.scores[..., :keep].copy_(self.scores[..., lo:self.used])
+                self.used = keep
+                return
+        self._resize(max(2 * self.capacity, self.used + q))
+
+    def _resize(self, capacity: int, keep: slice | None = None):
+        """Move slots ``keep`` (default: all written) into fresh storage of ``capacity`` slots."""
+        keep = keep or slice(0, self.used)
+        count = keep.stop - keep.start
+        b, hkv, _, d = self.keys.shape
+        keys = self.keys.new_zeros(b, hkv, capacity, d)
+        values = self.values.new_zeros(b, hkv, capacity, d)
+        keys[:, :, :count] = self.keys[:, :, keep]
+        values[:, :, :count] = self.values[:, :, keep]
+        positions = self.positions.new_full((b, self.positions.shape[1], capacity), EMPTY)
+        positions[..., :count] = self.positions[..., keep]
+        if self.scores is not None:
+            scores = self.scores.new_zeros(b, self.scores.shape[1], capacity)
+            scores[..., :count] = self.scores[..., keep]
+            self.scores = scores
+        self.keys, self.values, self.positions = keys, values, positions
+        self.used = count
 
     def ensure_scores(self):
         if self.scores is None and self.positions is not None:
             self.scores = torch.zeros(self.positions.shape, device=self.positions.device, dtype=torch.float32)
 
-    def clear(self):
-        self.keys = self.values = self.positions = self.scores = None
-        self.dense = True
+    # -- after a step --------------------------------------------------------------------
+    def trim_to_window(self, next_positions: torch.Tensor, spare: int):
+        """Appending layers: keep what the next query can see; settle into storage with ``spare`` free slots.
 
-    def trim_to_window(self, next_positions: torch.Tensor):
-        """Drop slots that no future query can see through the sliding window.
-
-        ``next_positions`` [B] is each row's next query position. While every slot
-        of every head holds the same positions in order, the rows advance in lock
-        step and the last ``window - 1`` slots are exactly the visible ones.
+        A sliding layer keeps its last ``window - 1`` slots (rows advance in lock step and
+        slots are in position order, so those are exactly the visible ones).
         """
-        if self.window is None or self.keys is None or self.keys.shape[2] <= self.window - 1:
+        if self.window is not None:
+            self.held = min(self.held, self.window - 1)
+        if self.settled:
             return
-        if self.positions.shape[1] != 1 or not self.dense:
-            return self.keep_where(self.positions > (next_positions[:, None, None] - self.window))
-        keep = self.window - 1
-        self.keys = self.keys[:, :, -keep:]
-        self.values = self.values[:, :, -keep:]
-        self.positions = self.positions[:, :, -keep:]
-        if self.scores is not None:
-            self.scores = self.scores[:, :, -keep:]
-
-    def keep_where(self, keep: torch.Tensor):
-        """Keep the slots where ``keep`` ([B, Hp, S], bool) is true, compacted to the right."""
-        counts = keep.sum(-1)
-        size = int(counts.max())
-        # Kept slots rank above all others, and among themselves by slot (= position) order.
-        slot = torch.arange(keep.shape[-1], device=keep.device)
-        rank = slot + keep.long() * keep.shape[-1]
-        idx = rank.topk(size, dim=-1).indices.sort(dim=-1).values
-        self.gather(idx, kept_valid=keep.gather(-1, idx))
-        self.dense = bool((counts == size).all())
-
-    def gather(self, idx: torch.Tensor, kept_valid: torch.Tensor | None = None):
-        """Reorder/select slots by ``idx`` [B, Hp, K]; per-head ``idx`` makes the cache per-head."""
-        b, hkv, _, d = self.keys.shape
-        if idx.shape[1] == 1:
-            kv_idx = idx[..., None].expand(b, hkv, idx.shape[-1], d)
+        if self.window is not None:
+            keep = min(self.used, self.window - 1)
+            self._resize(keep + min(spare, self.window), slice(self.used - keep, self.used))
         else:
-            kv_idx = idx[..., None].expand(-1, -1, -1, d)
-        self.keys = self.keys.gather(2, kv_idx)
-        self.values = self.values.gather(2, kv_idx)
-        positions = self.positions.expand(b, idx.shape[1], -1).gather(-1, idx)
-        if kept_valid is not None:
-            positions = torch.where(kept_valid, positions, EMPTY)
-        self.positions = positions
+            self._resize(self.used + spare)
+        self.settled = True
+
+    def keep_only(self, keep: torch.Tensor, held: int, fewest: int, capacity: int):
+        """Evicting layers: free every slot where ``keep`` ([B, H, used], bool) is false.
+
+        ``held``/``fewest`` are the most/fewest tokens a row and head keeps. After the
+        prompt the kept slots move into storage of ``capacity`` slots (one gather);
+        on decode steps freed slots are only marked EMPTY, for the next token to reuse.
+        """
+        heads = keep.shape[1]
+        if self.positions.shape[1] != heads:
+            b = keep.shape[0]
+            self.positions = self.positions.expand(b, heads, -1).contiguous()
+            if self.scores is not None:
+                self.scores = self.scores.expand(b, heads, -1).contiguous()
+        live = self.positions[..., :self.used]
+        live.masked_fill_(~keep, EMPTY)
+        self.held, self.full_from = held, fewest
+        if not self.settled:
+            self._compact(keep, held, capacity)
+            self.settled = self.reuse = True
+        self.dense = fewest >= self.used
+
+    def _compact(self, keep: torch.Tensor, held: int, capacity: int):
+        """Gather the kept slots (per row and head) to the front of fresh storage, in position order."""
+        slot = torch.arange(keep.shape[-1], device=keep.device)
+        rank = slot + keep.long() * keep.shape[-1]  # kept slots first, each group in slot order
+        idx = rank.topk(held, dim=-1).indices.sort(dim=-1).values  # [B, H, held]
+        b, hkv, _, d = self.keys.shape
+        heads = idx.shape[1]
+        kv_idx = (idx if heads == hkv else idx.expand(b, hkv, held))[..., None].expand(b, hkv, held, d)
+        keys = self.keys.new_zeros(b, hkv, capacity, d)
+        values = self.values.new_zeros(b, hkv, capacity, d)
+        keys[:, :, :held] = self.keys.gather(2, kv_idx)
+        values[:, :, :held] = self.values.gather(2, kv_idx)
+        positions = self.positions.new_full((b, heads, capacity), EMPTY)
+        positions[..., :held] = self.positions.gather(-1, idx)
         if self.scores is not None:
-            self.scores = self.scores.expand(b, idx.shape[1], -1).gather(-1, idx)
+            scores = self.scores.new_zeros(b, heads, capacity)
+            scores[..., :held] = self.scores.gather(-1, idx)
+            self.scores = scores
+        self.keys, self.values, self.positions = keys, values, positions
+        self.used = held
+
+    def kept_positions(self) -> torch.Tensor | None:
+        """Positions kept for later queries, ``[B, Hp, held]`` in position order (EMPTY first where a row
+        or head keeps fewer): the same whatever slots they sit in."""
+        if self.positions is None:
+            return None
+        # An appending sliding layer's stale slots are older than every kept one, so they sort out.
+        kept = self.positions[..., :self.used]
+        return kept.sort(dim=-1).values[..., kept.shape[-1] - self.held:]
 
 
 class KVCache:
-    """Per-layer caches, called by the model's own attention modules through ``update``."""
+    """Per-layer caches, written by SkipKey's attention function (``skipkey.attention``)."""
 
     def __init__(self, windows: list[int | None]):
         self.layers = [LayerCache(w) for w in windows]
-        # Positions of the tokens being fed in this forward, set by the engine.
-        self.pending_positions: torch.Tensor | None = None
-        self.pending_dense = True
-
-    # transformers' attention modules call this with the new, rotated keys.
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return self.layers[layer_idx].append(key_states, value_states, self.pending_positions, self.pending_dense)
 
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(layer.reserved_bytes for layer in self.layers)
+
     def lengths(self) -> tuple[int, ...]:
         return tuple(len(layer) for layer in self.layers)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return len(self.layers[layer_idx])

@@ -32,6 +32,7 @@ from skipkey.attention import StepState
 from skipkey.cache import EMPTY, KVCache
 from skipkey.config import GenerationSettings, validate_prompt_ids
 from skipkey.errors import InputError
+from skipkey.kv_policies import Budgets
 from skipkey.schedules import layer_importance
 
 
@@ -139,39 +140,52 @@ class Engine:
         return ids
 
     # -- phases -----------------------------------------------------------------
-    def prefill(self, cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, state: StepState,
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, state: StepState, retention: "_Retention",
                 measure_importance: bool) -> tuple[torch.Tensor, list[float] | None]:
-        """Run the prompt through every layer; return last-position logits (and layer importance)."""
+        """Run the prompt through every layer; return last-position logits (and layer importance).
+
+        Each layer's cache settles (evicts or trims) as soon as the layer has run, so
+        the prompt's full keys and values are held for one layer at a time.
+        """
         adapter = self.adapter
         rope_pos = positions.clamp(min=0)
         hidden = adapter.embed(input_ids, rope_pos)
         layer_kwargs = adapter.position_inputs(hidden, rope_pos)
         importance = [] if measure_importance else None
         valid = positions >= 0
+        next_positions = positions.max(dim=1).values + 1
         for idx in range(adapter.num_layers):
-            out = adapter.run_layer(idx, hidden, layer_kwargs[idx], cache=cache, state=state)
+            out = adapter.run_layer(idx, hidden, layer_kwargs[idx], state=state)
+            retention.after(state.cache.layers[idx], 0, next_positions)
             if importance is not None:
                 importance.append(layer_importance(hidden, out, valid))
             hidden = out
         return adapter.head(hidden[:, -1:])[:, -1], importance
 
-    def decode_one_token(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
-                         layers: Sequence[int], state: StepState) -> torch.Tensor:
+    def decode_one_token(self, tokens: torch.Tensor, positions: torch.Tensor, layers: Sequence[int],
+                         state: StepState, retention: "_Retention", step: int) -> torch.Tensor:
         """Feed one token per row through ``layers``; a skipped layer is the identity."""
         adapter = self.adapter
         pos = positions[:, None]
         hidden = adapter.embed(tokens[:, None], pos)
         layer_kwargs = adapter.position_inputs(hidden, pos)
         for idx in layers:
-            hidden = adapter.run_layer(idx, hidden, layer_kwargs[idx], cache=cache, state=state)
+            hidden = adapter.run_layer(idx, hidden, layer_kwargs[idx], state=state)
+            retention.after(state.cache.layers[idx], step, positions + 1)
         return adapter.head(hidden)[:, -1]
 
-    def _select(self, logits: torch.Tensor, history: torch.Tensor, processors, settings, generator):
-        if not settings.do_sample:
-            return logits.argmax(dim=-1)
-        scores = processors(history, logits)
-        probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    def step_state(self, cache: KVCache, query_positions: torch.Tensor, step: int, total_steps: int) -> StepState:
+        """What the attention function needs for one forward: the cache, the positions, the KV scoring."""
+        kv = self.kv
+        dense = query_positions.shape[1] == 1 or bool((query_positions >= 0).all())
+        if kv is None or not kv.needs_scores or (step > 0 and not kv.scores_while_decoding):
+            return StepState(cache=cache, query_positions=query_positions, dense=dense)
+
+        def contribution(logits, where):
+            return kv.contribution(logits, step, total_steps, where)
+
+        return StepState(cache=cache, query_positions=query_positions, dense=dense, contribution=contribution,
+                         accumulate=kv.accumulates, observe=kv.prompt_observe if step == 0 else 0)
 
     # -- loop -------------------------------------------------------------------
     @torch.inference_mode()
@@ -185,119 +199,173 @@ class Engine:
         token's log-probability and the model's own argmax there: that is how
         perplexity and teacher-forced next-token accuracy are measured.
         """
-        settings = settings or GenerationSettings()
-        if forced is not None:
-            lengths = {len(f) for f in forced}
-            if len(forced) != (1 if isinstance(prompts, str) else len(prompts)) or len(lengths) != 1 or 0 in lengths:
-                raise InputError("forced tokens need one non-empty list per prompt, all of the same length")
-            settings = GenerationSettings(max_new_tokens=lengths.pop(), ignore_eos=True)
-            forced_ids = torch.tensor(forced, device=self.device)
-        prompt_ids = self.encode(prompts, settings.max_new_tokens)
-        device, adapter = self.device, self.adapter
-        rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
-        prompt_lens = [len(p) for p in prompt_ids]
+        settings, forced_ids = self._forcing(prompts, settings, forced)
+        batch = _Batch.build(self.encode(prompts, settings.max_new_tokens), self.pad_id, self.device)
+        total_steps = settings.max_new_tokens
+        cache = KVCache([info.sliding_window for info in self.adapter.layer_info])
+        retention = _Retention(self.kv, batch, total_steps)
+        choose = _TokenChooser(settings, forced_ids, batch.input_ids)
+        events = _EventBuilder(self, batch.rows, settings, cache, record)
+        all_layers = tuple(range(self.adapter.num_layers))
 
-        input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        # Token 0: the prompt at full depth.
+        started = time.perf_counter()
+        needs_importance = self.skip is not None and self.skip.needs_importance
+        state = self.step_state(cache, batch.positions, 0, total_steps)
+        logits, importance = self.prefill(batch.input_ids, batch.positions, state, retention, needs_importance)
+        plan = self.skip.plan(self.adapter.num_layers, importance) if self.skip is not None else None
+        token, scored = choose(0, logits)
+        yield events.build(0, token, all_layers, started, scored, importance=importance,
+                           prompt_lengths=tuple(batch.lengths))
+
+        next_pos = torch.tensor(batch.lengths, device=self.device)
+        for step in range(1, total_steps):
+            if events.all_finished or (stop is not None and stop.is_set()):
+                break
+            started = time.perf_counter()
+            layers = plan.layer_set(step - 1) if plan is not None else all_layers
+            for idx in all_layers:
+                if idx not in layers:
+                    cache.layers[idx].clear()  # E(t) only shrinks: this layer never runs again
+            feed = events.feed(token)
+            state = self.step_state(cache, next_pos[:, None], step, total_steps)
+            logits = self.decode_one_token(feed, next_pos, layers, state, retention, step)
+            next_pos = next_pos + 1
+            choose.extend(feed)
+            token, scored = choose(step, logits)
+            yield events.build(step, token, layers, started, scored)
+        cache.layers.clear()
+
+    def _forcing(self, prompts, settings: GenerationSettings | None, forced):
+        """Settings for the run and the forced tokens as a tensor (teacher forcing), validated."""
+        settings = settings or GenerationSettings()
+        if forced is None:
+            return settings, None
+        lengths = {len(f) for f in forced}
+        if len(forced) != (1 if isinstance(prompts, str) else len(prompts)) or len(lengths) != 1 or 0 in lengths:
+            raise InputError("forced tokens need one non-empty list per prompt, all of the same length")
+        settings = GenerationSettings(max_new_tokens=lengths.pop(), ignore_eos=True)
+        return settings, torch.tensor(forced, device=self.device)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Left-padded prompts: ids, positions (EMPTY at padding) and each row's length."""
+
+    input_ids: torch.Tensor  # [B, W]
+    positions: torch.Tensor  # [B, W]
+    lengths: list[int]
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @classmethod
+    def build(cls, prompt_ids: list[list[int]], pad_id: int, device) -> "_Batch":
+        rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+        input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
         positions = torch.full((rows, width), EMPTY, dtype=torch.long)
         for r, ids in enumerate(prompt_ids):
             input_ids[r, width - len(ids):] = torch.tensor(ids)
             positions[r, width - len(ids):] = torch.arange(len(ids))
-        input_ids, positions = input_ids.to(device), positions.to(device)
+        return cls(input_ids.to(device), positions.to(device), [len(p) for p in prompt_ids])
 
-        cache = KVCache([info.sliding_window for info in adapter.layer_info])
-        kv = self.kv
-        budgets = [kv.budget_tokens(n) for n in prompt_lens] if kv is not None else None
-        generator = torch.Generator(device=device).manual_seed(settings.seed)
-        total_steps = settings.max_new_tokens
-        processors = logits_processors(settings)
-        detok = _Detokenizer(self.tokenizer, rows)
-        finished = [False] * rows
-        all_layers = tuple(range(adapter.num_layers))
 
-        def state_for(step: int, query_positions: torch.Tensor) -> StepState:
-            contribution = None
-            if kv is not None and kv.needs_scores:
-                def contribution(logits, where, step=step):
-                    return kv.contribution(logits, step, total_steps, where)
-            return StepState(cache=cache, query_positions=query_positions, contribution=contribution)
+class _Retention:
+    """What each layer's cache keeps once the layer has run: the KV policy's budget, or the sliding window.
 
-        def choose(step, logits):
-            if forced is None:
-                return self._select(logits, history, processors, settings, generator), None
-            token = forced_ids[:, step]
+    Storage is sized here, once: an evicting layer holds its budget plus the
+    eviction interval (the slots the next tokens are written into); an appending
+    layer holds the prompt plus every token still to come.
+    """
+
+    def __init__(self, kv, batch: _Batch, total_steps: int):
+        self.kv = kv if kv is not None and kv.evicts else None
+        self.spare = total_steps  # appending layers: room for every new token
+        self.longest = max(batch.lengths) + total_steps
+        if self.kv is not None:
+            self.budgets = Budgets.for_prompts(self.kv, batch.lengths, batch.positions.device)
+            self.most = self.budgets.most
+
+    def after(self, layer, step: int, next_positions: torch.Tensor) -> None:
+        if layer.keys is None:
+            return
+        if self.kv is None:
+            layer.trim_to_window(next_positions, self.spare)
+            return
+        tokens = min(self.most, self.longest if layer.window is None else layer.window - 1)
+        every = self.kv.evict_every
+        self.kv.evict(layer, self.budgets, next_positions, capacity=tokens + every, due=step % every == 0)
+
+
+class _TokenChooser:
+    """Each row's next token: the model's choice (greedy or sampled) or, when teacher forcing, the forced one."""
+
+    def __init__(self, settings: GenerationSettings, forced_ids: torch.Tensor | None, prompt_ids: torch.Tensor):
+        self.settings = settings
+        self.forced_ids = forced_ids
+        self.processors = logits_processors(settings)
+        self.history = prompt_ids  # what the warpers may look at (penalties would need it)
+        self.generator = torch.Generator(device=prompt_ids.device).manual_seed(settings.seed)
+
+    def extend(self, fed: torch.Tensor) -> None:
+        if self.processors:
+            self.history = torch.cat([self.history, fed[:, None]], dim=1)
+
+    def __call__(self, step: int, logits: torch.Tensor):
+        """``(tokens, scored)``; ``scored`` = (log-probabilities of the forced tokens, the argmax) or None."""
+        if self.forced_ids is not None:
+            token = self.forced_ids[:, step]
             logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, token[:, None])[:, 0]
             return token, (tuple(logprobs.tolist()), tuple(logits.argmax(dim=-1).tolist()))
+        if not self.settings.do_sample:
+            return logits.argmax(dim=-1), None
+        probs = torch.softmax(self.processors(self.history, logits), dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1), None
 
-        def finish_step(step, token_tensor, layers, started, importance=None, lengths=None, scored=None):
-            tokens = token_tensor.tolist()
-            texts = []
-            for r in range(rows):
-                if finished[r]:
-                    tokens[r] = self.pad_id
-                    texts.append("")
-                    continue
-                texts.append(detok.push(r, tokens[r]))
-                if tokens[r] in self.eos_ids and not settings.ignore_eos:
-                    finished[r] = True
-            kept = None
-            if record:
-                kept = tuple(None if layer.positions is None else layer.positions.to(torch.int32).cpu().numpy()
-                             for layer in cache.layers)
-            return StepEvent(step=step, tokens=tuple(tokens), texts=tuple(texts), finished=tuple(finished),
-                             layers=layers, seconds=time.perf_counter() - started, kv_bytes=cache.nbytes,
-                             cache_lengths=cache.lengths(), kept=kept,
-                             importance=tuple(importance) if importance is not None else None,
-                             prompt_lengths=lengths, logprobs=scored[0] if scored else None,
-                             greedy=scored[1] if scored else None)
 
-        # Token 0: the prompt at full depth.
-        started = time.perf_counter()
-        cache.pending_positions, cache.pending_dense = positions, bool((positions >= 0).all())
-        plan_needs_importance = self.skip is not None and self.skip.needs_importance
-        logits, importance = self.prefill(cache, input_ids, positions, state_for(0, positions), plan_needs_importance)
-        plan = self.skip.plan(adapter.num_layers, importance) if self.skip is not None else None
-        next_pos = torch.tensor(prompt_lens, device=device)
-        self._shrink(cache, all_layers, budgets, next_pos)
-        history = input_ids
-        token, scored = choose(0, logits)
-        yield finish_step(0, token, all_layers, started, importance, tuple(prompt_lens), scored)
+class _EventBuilder:
+    """Turns each step's tokens into a ``StepEvent``: text deltas, finished rows, what the caches keep."""
 
-        for t in range(total_steps - 1):
-            if all(finished) or (stop is not None and stop.is_set()):
-                break
-            started = time.perf_counter()
-            layers = plan.layer_set(t) if plan is not None else all_layers
-            for idx in all_layers:
-                if cache.layers[idx].keys is not None and idx not in layers:
-                    cache.layers[idx].clear()  # E(t) only shrinks: this layer never runs again
-            feed = torch.where(torch.tensor(finished, device=device), self.pad_id, token)
-            cache.pending_positions, cache.pending_dense = next_pos[:, None], True
-            logits = self.decode_one_token(cache, feed, next_pos, layers, state_for(t + 1, next_pos[:, None]))
-            next_pos = next_pos + 1
-            self._shrink(cache, layers, budgets, next_pos)
-            if processors:
-                history = torch.cat([history, feed[:, None]], dim=1)
-            token, scored = choose(t + 1, logits)
-            yield finish_step(t + 1, token, layers, started, scored=scored)
-        cache.layers.clear()
+    def __init__(self, engine: Engine, rows: int, settings: GenerationSettings, cache: KVCache, record: bool):
+        self.pad_id, self.eos_ids = engine.pad_id, engine.eos_ids
+        self.settings = settings
+        self.cache = cache
+        self.record = record
+        self.detok = _Detokenizer(engine.tokenizer, rows)
+        self.finished = [False] * rows
 
-    def _shrink(self, cache: KVCache, layers: Sequence[int], budgets, next_positions: torch.Tensor):
-        """Trim sliding windows and evict to the KV budget, for the layers that just ran."""
-        for idx in layers:
-            layer = cache.layers[idx]
-            if layer.keys is None:
+    @property
+    def all_finished(self) -> bool:
+        return all(self.finished)
+
+    def feed(self, token: torch.Tensor) -> torch.Tensor:
+        """The tokens to feed next: a finished row gets padding."""
+        if not any(self.finished):
+            return token
+        return torch.where(torch.tensor(self.finished, device=token.device), self.pad_id, token)
+
+    def build(self, step: int, token: torch.Tensor, layers: tuple[int, ...], started: float, scored=None, *,
+              importance=None, prompt_lengths=None) -> StepEvent:
+        tokens, texts = token.tolist(), []
+        for r, done in enumerate(self.finished):
+            if done:
+                tokens[r] = self.pad_id
+                texts.append("")
                 continue
-            if budgets is not None and self.kv.evicts:
-                self.kv.evict(layer, budgets, next_positions)
-            else:
-                layer.trim_to_window(next_positions)
+            texts.append(self.detok.push(r, tokens[r]))
+            if tokens[r] in self.eos_ids and not self.settings.ignore_eos:
+                self.finished[r] = True
+        kept = None
+        if self.record:
+            kept = tuple(None if (k := layer.kept_positions()) is None else k.to(torch.int32).cpu().numpy()
+                         for layer in self.cache.layers)
+        return StepEvent(step=step, tokens=tuple(tokens), texts=tuple(texts), finished=tuple(self.finished),
+                         layers=layers, seconds=time.perf_counter() - started, kv_bytes=self.cache.nbytes,
+                         cache_lengths=self.cache.lengths(), kept=kept,
+                         importance=tuple(importance) if importance is not None else None,
+                         prompt_lengths=prompt_lengths, logprobs=scored[0] if scored else None,
+                         greedy=scored[1] if scored else None)
 
 
-def run(engine: Engine, prompts, settings: GenerationSettings | None = None, **kwargs):
-    """Run ``generate`` to the end and return the collected ``Trace``."""
-    from skipkey.trace import Trace
-
-    return Trace.collect(engine, prompts, settings, **kwargs)
-
-
-__all__ = ["Engine", "InputError", "StepEvent", "get_adapter", "logits_processors", "run"]
+__all__ = ["Engine", "InputError", "StepEvent", "get_adapter", "logits_processors"]

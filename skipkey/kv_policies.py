@@ -12,16 +12,20 @@ StreamingLLM: Xiao et al., 2023.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from skipkey.config import require_float, require_int
 from skipkey.errors import InputError
 
 SINK_TOKENS = 4  # StreamingLLM's attention sinks
+_PROTECTED = torch.finfo(torch.float32).max  # the recent window (and sinks): evicted only past the budget
 
 
 def parse_budget(value) -> float | int:
@@ -42,6 +46,26 @@ def parse_budget(value) -> float | int:
 
 
 @dataclass(frozen=True)
+class Budgets:
+    """Per row of a batch: slots to keep, how many of them are the recent window, and the prompt length."""
+
+    keep: torch.Tensor  # [B]
+    recent: torch.Tensor  # [B]
+    prompt_lengths: torch.Tensor  # [B]
+
+    @classmethod
+    def for_prompts(cls, policy: "KVPolicy", lengths: list[int], device) -> "Budgets":
+        keep = [policy.budget_tokens(n) for n in lengths]
+        return cls(torch.tensor(keep, device=device), torch.tensor([policy.recent_tokens(k) for k in keep],
+                                                                  device=device),
+                   torch.tensor(lengths, device=device))
+
+    @property
+    def most(self) -> int:
+        return int(self.keep.max())
+
+
+@dataclass(frozen=True)
 class KVPolicy:
     """Budget ``k`` per row, layer and KV head: ``round(rho * P)`` or an absolute count.
 
@@ -51,15 +75,19 @@ class KVPolicy:
     budget: float | int = 0.5
     recent: float = 0.3
     seed: int = 0
+    evict_every: int = 1  # evict every N steps (the paper: 1); the cache holds up to budget + N - 1
 
     name: ClassVar[str] = ""
-    needs_scores: ClassVar[bool] = False
+    needs_scores: ClassVar[bool] = False  # the attention function computes a score contribution
+    scores_while_decoding: ClassVar[bool] = True  # ... on decode steps too, not only for the prompt
+    accumulates: ClassVar[bool] = True  # each step adds to the scores (else it replaces them)
     evicts: ClassVar[bool] = True
 
     def __post_init__(self):
         object.__setattr__(self, "budget", parse_budget(self.budget))
         object.__setattr__(self, "recent", require_float("KV recent-window share", self.recent, 0.0, 1.0))
         object.__setattr__(self, "seed", require_int("seed", self.seed, 0, 2**63 - 1))
+        object.__setattr__(self, "evict_every", require_int("evict_every", self.evict_every, 1, 1024))
 
     def budget_tokens(self, prompt_len: int) -> int:
         if isinstance(self.budget, int):
@@ -69,11 +97,20 @@ class KVPolicy:
     def recent_tokens(self, budget: int) -> int:
         return round(self.recent * budget)
 
+    @property
+    def prompt_observe(self) -> int:
+        """Score only each row's last this-many prompt queries (0: all of them)."""
+        return 0
+
+    def options(self) -> list[str]:
+        """What ``describe`` adds beyond budget and recent window."""
+        return [f"evict every {self.evict_every}"] if self.evict_every > 1 else []
+
     def describe(self) -> str:
         size = f"{self.budget:.0%} of prompt" if isinstance(self.budget, float) else f"{self.budget} tokens"
-        return f"{self.name} ({size}, recent {self.recent:.0%})"
+        return f"{self.name} ({', '.join([size, f'recent {self.recent:.0%}', *self.options()])})"
 
-    def priority(self, layer) -> torch.Tensor:
+    def priority(self, layer, next_positions: torch.Tensor, budgets: Budgets) -> torch.Tensor:
         """[B, 1 or Hkv, S]: higher is kept first (the recent window is always kept)."""
         raise NotImplementedError
 
@@ -81,39 +118,44 @@ class KVPolicy:
         """Score added by each query: ``logits`` [B, Hkv, G, q, S] (-inf where masked)."""
         raise NotImplementedError
 
-    def evict(self, layer, budgets: list[int], next_positions: torch.Tensor) -> None:
-        """Keep, per row and head, the recent window plus the top-priority slots, ``budgets[row]`` in all.
+    def after_prompt(self, layer) -> None:
+        """Once per layer, right after the prompt pass scored it and before its first eviction."""
+
+    def evict(self, layer, budgets: Budgets, next_positions: torch.Tensor, *, capacity: int,
+              due: bool = True) -> None:
+        """Keep, per row and head, the recent window plus the top-priority slots, ``budgets.keep[row]`` in all.
 
         Sliding-window layers first drop what their window no longer shows, so they
-        hold the smaller of their window and the budget.
+        hold the smaller of their window and the budget. The recent window is found
+        from positions (the newest ``budgets.recent[row]`` positions), not from slot
+        order, so it is right however eviction has shuffled the slots. ``due`` is
+        false on the steps between evictions (``evict_every``); out-of-window slots are
+        freed anyway. After the prompt the kept slots move into storage of ``capacity``.
         """
-        size = len(layer)
-        window = layer.window
-        if size <= min(budgets) and (window is None or size <= window - 1):
-            return
-        rows = layer.keys.shape[0]
-        prio = self.priority(layer)
-        heads = max(prio.shape[1], layer.positions.shape[1])
-        positions = layer.positions.expand(rows, heads, size)
-        prio = prio.expand(rows, heads, size).float()
+        if not layer.settled:
+            self.after_prompt(layer)
+        positions = layer.positions[..., :layer.used]
+        rows = positions.shape[0]
+        prio = self.priority(layer, next_positions, budgets)[..., :layer.used]
+        heads = max(prio.shape[1], positions.shape[1])
+        next_pos = next_positions[:, None, None]
         valid = positions >= 0
-        if window is not None:
-            valid &= positions > (next_positions[:, None, None] - window)
-        device = positions.device
-        k = torch.tensor(budgets, device=device)[:, None, None]
-        w = torch.tensor([self.recent_tokens(b) for b in budgets], device=device)[:, None, None]
-        newest_rank = valid.flip(-1).cumsum(-1).flip(-1)  # 1 = newest valid slot
-        recent = valid & (newest_rank <= w)
-        prio = torch.where(recent, math.inf, torch.where(valid, prio, -math.inf))
-        # The physical size is what the fullest row and head really keeps: a sliding-window
-        # layer may hold fewer valid slots than the budget, and its cache must shrink to that.
-        keep_count = min(max(budgets), int(valid.sum(-1).max()))
-        values, idx = prio.topk(keep_count, dim=-1)
-        ok = (torch.arange(keep_count, device=device) < k) & (values > -math.inf)
-        idx, order = idx.sort(dim=-1)  # back to position order
-        ok = ok.gather(-1, order)
-        layer.gather(idx, kept_valid=ok)
-        layer.dense = bool(ok.all())
+        if layer.window is not None:
+            valid &= positions > (next_pos - layer.window)
+        valid = valid.expand(rows, heads, -1)
+        count = valid.sum(-1)  # [B, H]
+        excess = (count - budgets.keep[:, None]).clamp_(min=0) if due else torch.zeros_like(count)
+        most, held, fewest = torch.stack([excess.max(), (count - excess).max(), (count - excess).min()]).tolist()
+        if most > 0:
+            protected = (positions >= next_pos - budgets.recent[:, None, None]).expand(rows, heads, -1)
+            # Victims: lowest priority among the unprotected first, then (only where the recent
+            # window alone exceeds the budget) protected slots; never a free one.
+            rank = prio.float().clamp(max=_PROTECTED).expand(rows, heads, -1)
+            rank = torch.where(valid, torch.where(protected, _PROTECTED, rank), math.inf)
+            victims = rank.topk(most, dim=-1, largest=False).indices
+            real = torch.arange(most, device=positions.device) < excess[..., None]
+            valid = valid & ~torch.zeros_like(valid).scatter_(-1, victims, real)
+        layer.keep_only(valid, held=held, fewest=fewest, capacity=capacity)
 
 
 @dataclass(frozen=True)
@@ -133,30 +175,81 @@ class WindowPolicy(KVPolicy):
 
     name: ClassVar[str] = "window"
 
-    def priority(self, layer):
+    def priority(self, layer, next_positions, budgets):
         return layer.positions.float()
 
 
 @dataclass(frozen=True)
 class StreamingPolicy(KVPolicy):
-    """StreamingLLM: 4 attention-sink tokens plus the most recent ``k - 4``."""
+    """StreamingLLM (Xiao et al., 2023): 4 attention-sink tokens plus the most recent ``k - 4``."""
 
     name: ClassVar[str] = "streaming"
 
-    def priority(self, layer):
+    def priority(self, layer, next_positions, budgets):
         pos = layer.positions.float()
         return torch.where((layer.positions >= 0) & (layer.positions < SINK_TOKENS), math.inf, pos)
 
 
+def _max_pool(scores: torch.Tensor, size: int) -> torch.Tensor:
+    """Max over ``size`` neighbouring slots (centred), so a multi-token item is kept or dropped whole."""
+    b, h, s = scores.shape
+    pooled = F.max_pool1d(scores.reshape(b * h, 1, s), size, stride=1, padding=size // 2)
+    return pooled[..., :s].reshape(b, h, s)
+
+
 @dataclass(frozen=True)
 class H2OPolicy(KVPolicy):
-    """Heavy hitters: accumulated plain attention, plus the recent window."""
+    """Heavy hitters (Zhang et al., 2023): accumulated plain attention, plus the recent window.
+
+    Query-aware options, all off by default (the paper):
+
+    * ``observe = W``: the prompt pass scores only each row's last ``W`` queries (SnapKV's
+      observation window), so what the question at the end of a prompt asks for wins
+      over what hundreds of earlier queries looked at;
+    * ``pool = K``: max-pool the prompt scores over ``K`` neighbouring positions, so a
+      multi-token item (a number, a name) is kept or dropped whole;
+    * ``normalize``: divide each key's score by the number of queries that could see it,
+      so early tokens do not win merely by being early.
+    """
+
+    observe: int = 0
+    pool: int = 1
+    normalize: bool = False
 
     name: ClassVar[str] = "h2o"
     needs_scores: ClassVar[bool] = True
 
-    def priority(self, layer):
-        return layer.scores
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "observe", require_int("observe", self.observe, 0, 1_000_000))
+        object.__setattr__(self, "pool", require_int("pool", self.pool, 1, 1025))
+        if not isinstance(self.normalize, bool):
+            raise InputError(f"normalize must be true or false, got {self.normalize!r}")
+
+    @property
+    def prompt_observe(self) -> int:
+        return self.observe
+
+    def options(self) -> list[str]:
+        out = [f"observe {self.observe}"] if self.observe else []
+        out += [f"pool {self.pool}"] if self.pool > 1 else []
+        out += ["normalized"] if self.normalize else []
+        return out + super().options()
+
+    def after_prompt(self, layer):
+        if self.pool > 1 and layer.scores is not None:
+            layer.scores = _max_pool(layer.scores, self.pool)
+
+    def priority(self, layer, next_positions, budgets):
+        if not self.normalize:
+            return layer.scores
+        # Queries that saw position p so far: every later one, except prompt queries left
+        # out of the observation window.
+        first_query = layer.positions
+        if self.observe:
+            first_query = torch.maximum(first_query, (budgets.prompt_lengths - self.observe)[:, None, None])
+        seen = (next_positions[:, None, None] - first_query).clamp(min=1)
+        return layer.scores / seen
 
     def contribution(self, logits, step, total_steps, where):
         return torch.softmax(logits, dim=-1)
@@ -169,6 +262,7 @@ class KeyformerPolicy(H2OPolicy):
     ``tau`` goes linearly from ``tau_init`` to ``tau_end`` over the generation
     (paper Sec. 3.3). The noise shapes the score only; attention stays exact.
     ``noise=False`` leaves a temperature-scaled H2O (equal to H2O at tau = 1).
+    The query-aware options (``observe``, ``pool``, ``normalize``) are H2O's.
     """
 
     tau_init: float = 1.0
@@ -188,7 +282,70 @@ class KeyformerPolicy(H2OPolicy):
     def contribution(self, logits, step, total_steps, where):
         if self.noise:
             logits = logits + gumbel_noise(self.seed, where, logits.shape)
-        return torch.softmax(logits / self.temperature(step, total_steps), dim=-1)
+        tau = self.temperature(step, total_steps)
+        return torch.softmax(logits / tau if tau != 1.0 else logits, dim=-1)
+
+
+@dataclass(frozen=True)
+class TOVAPolicy(KVPolicy):
+    """TOVA (Oren et al., 2024): keep the slots the *current* query attends to most, averaged over heads.
+
+    Nothing accumulates: each step's attention replaces the scores. After the prompt
+    the last prompt query decides. One choice per row, shared by its KV heads.
+    """
+
+    name: ClassVar[str] = "tova"
+    needs_scores: ClassVar[bool] = True
+    accumulates: ClassVar[bool] = False
+
+    @property
+    def prompt_observe(self) -> int:
+        return 1
+
+    def priority(self, layer, next_positions, budgets):
+        return layer.scores.mean(dim=1, keepdim=True)
+
+    def contribution(self, logits, step, total_steps, where):
+        return torch.softmax(logits, dim=-1)
+
+
+@dataclass(frozen=True)
+class SnapKVPolicy(KVPolicy):
+    """SnapKV (Li et al., 2024): after the prompt, keep what its last ``observe`` queries attend to,
+    max-pooled over ``pool`` positions; while decoding, the chosen prompt tokens stay and generated
+    tokens pass through the recent window (oldest out first). Decode steps compute no scores."""
+
+    observe: int = 32
+    pool: int = 7
+
+    name: ClassVar[str] = "snapkv"
+    needs_scores: ClassVar[bool] = True
+    scores_while_decoding: ClassVar[bool] = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "observe", require_int("observe", self.observe, 1, 1_000_000))
+        object.__setattr__(self, "pool", require_int("pool", self.pool, 1, 1025))
+
+    @property
+    def prompt_observe(self) -> int:
+        return self.observe
+
+    def options(self) -> list[str]:
+        return [f"observe {self.observe}", f"pool {self.pool}", *super().options()]
+
+    def after_prompt(self, layer):
+        if self.pool > 1 and layer.scores is not None:
+            layer.scores = _max_pool(layer.scores, self.pool)
+
+    def priority(self, layer, next_positions, budgets):
+        prompt = layer.positions < budgets.prompt_lengths[:, None, None]
+        # Prompt tokens by their observed score (>= 0) above every generated token; among
+        # generated tokens the newer ones rank higher.
+        return torch.where(prompt, layer.scores, -1.0 / (2.0 + layer.positions.float()))
+
+    def contribution(self, logits, step, total_steps, where):
+        return torch.softmax(logits, dim=-1)
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -205,21 +362,47 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+NOISE_ROWS, NOISE_COLS = 512, 8192  # the seeded Gumbel table: 16 MB of float32
+
+
+@functools.lru_cache(maxsize=4)
+def _noise_table(seed: int, device: str) -> torch.Tensor:
+    """``[NOISE_ROWS, 2 * NOISE_COLS]`` Gumbel(0, 1) draws, each row written twice so any run of up to
+    ``NOISE_COLS`` columns starting in the first half is one contiguous slice."""
+    generator = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 1 << 24, (NOISE_ROWS, NOISE_COLS), generator=generator, dtype=torch.int64)
+    table = _gumbel_from_bits(bits)
+    return torch.cat([table, table], dim=1).to(device)
+
+
 def gumbel_noise(seed: int, where, shape) -> torch.Tensor:
     """Gumbel(0, 1) noise for each (layer, KV head, query head, query position, key position).
 
-    A counter-based draw keyed by the seed: a row gets the same noise alone or in a
-    batch, whatever its padding and wherever eviction moved its slots.
+    Counter-based and cheap: a hash of (seed, layer, head, query position), computed
+    once per query, picks a row of a seeded table of Gumbel draws and a rotation of
+    it; the key's position indexes into that. The hash runs over queries only, and
+    each (query, key) pair costs one add and one gather, so scoring a long prompt
+    no longer spends its time drawing noise. Noise depends only on positions: a row
+    gets the same noise alone or in a batch, whatever its padding and wherever
+    eviction moved its slots. Keys ``NOISE_COLS`` positions apart share a query's draw.
     """
     b, hkv, groups, q, s = shape
-    device = where.query_positions.device
-    head = torch.arange(hkv * groups, device=device).view(1, hkv, groups, 1, 1)
+    qpos = where.query_positions
+    device = qpos.device
+    head = torch.arange(hkv * groups, device=device).view(1, hkv, groups, 1)
     base = _mix(_mix(torch.tensor(seed, device=device) * 0x9E3779B1 + where.layer) + head * 0x632BE5AB)
-    # One mixing round over an odd-weighted sum of the two positions: this line runs over
-    # every (query, key) pair of a long prompt, so it is kept to a single round.
-    key = _mix(base + where.query_positions[:, None, None, :, None] * 0x85EBCA77
-               + where.key_positions.expand(b, hkv, s)[:, :, None, None, :] * 0xC2B2AE3D)
-    return _gumbel_from_bits(_shr(key, 40))
+    query_hash = _mix(base + qpos[:, None, None, :] * 0x85EBCA77)  # [B, Hkv, G, q]
+    row = (query_hash & (NOISE_ROWS - 1)) * (2 * NOISE_COLS)
+    shift = _shr(query_hash, 40) & (NOISE_COLS - 1)
+    table = _noise_table(seed, str(device)).view(-1)
+    if where.key_start is not None and s <= NOISE_COLS:
+        # Consecutive key positions: one contiguous run of the doubled row per query.
+        first = row + ((where.key_start[:, None, None, None] + shift) & (NOISE_COLS - 1))
+        index = first[..., None] + torch.arange(s, device=device)
+    else:
+        kpos = where.key_positions.expand(b, hkv, s)[:, :, None, None, :]
+        index = row[..., None] + ((kpos + shift[..., None]) & (NOISE_COLS - 1))
+    return table[index]
 
 
 _TOP_UNIFORM = 1.0 - 2.0 ** -24  # the largest float32 below 1
@@ -238,16 +421,30 @@ def _gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 POLICIES: dict[str, type[KVPolicy]] = {
-    cls.name: cls for cls in (FullPolicy, WindowPolicy, StreamingPolicy, H2OPolicy, KeyformerPolicy)
+    cls.name: cls for cls in (FullPolicy, WindowPolicy, StreamingPolicy, H2OPolicy, KeyformerPolicy, TOVAPolicy,
+                              SnapKVPolicy)
 }
 
 
-def make_kv_policy(name: str, budget=0.5, recent: float = 0.3, *, tau_init: float = 1.0, tau_end: float = 2.0,
-                   seed: int = 0) -> KVPolicy:
-    """Build a policy by name, validating every parameter."""
+def policy_options(name: str) -> tuple[str, ...]:
+    """The method-specific fields of policy ``name`` (beyond budget, recent, seed, evict_every)."""
+    common = {f.name for f in dataclasses.fields(KVPolicy)}
+    return tuple(f.name for f in dataclasses.fields(POLICIES[name]) if f.name not in common)
+
+
+def make_kv_policy(name: str, budget=0.5, recent: float = 0.3, *, seed: int = 0, evict_every: int = 1,
+                   **options) -> KVPolicy:
+    """Build a policy by name, validating every parameter.
+
+    ``options`` are method-specific (``tau_init``, ``observe``, ``pool``, ...); ``None``
+    means "the method's default". Setting one the method does not have is an error.
+    """
     cls = POLICIES.get(name)
     if cls is None:
         raise InputError(f"unknown KV policy {name!r}; choose one of {', '.join(POLICIES)}")
-    if cls is KeyformerPolicy:
-        return cls(budget=budget, recent=recent, seed=seed, tau_init=tau_init, tau_end=tau_end)
-    return cls(budget=budget, recent=recent, seed=seed)
+    given = {k: v for k, v in options.items() if v is not None}
+    unknown = sorted(set(given) - set(policy_options(name)))
+    if unknown:
+        has = ", ".join(policy_options(name)) or "none"
+        raise InputError(f"KV policy {name!r} has no option {', '.join(map(repr, unknown))} (its options: {has})")
+    return cls(budget=budget, recent=recent, seed=seed, evict_every=evict_every, **given)

@@ -211,7 +211,7 @@ def test_prefill_scores_are_the_same_in_any_chunking(monkeypatch, window):
     def scores(chunk):
         monkeypatch.setattr(attention, "SCORE_CHUNK", chunk)
         layer = LayerCache(window)
-        layer.append(key, key, qpos, dense=False)
+        layer.write(key, key, qpos, dense=False)
         attention.accumulate_scores(layer, 3, query, key, d ** -0.5, qpos,
                                     lambda logits, where: policy.contribution(logits, 0, 10, where))
         return layer.scores
