@@ -293,11 +293,4 @@ class Engine:
                 layer.trim_to_window(next_positions)
 
 
-def run(engine: Engine, prompts, settings: GenerationSettings | None = None, **kwargs):
-    """Run ``generate`` to the end and return the collected ``Trace``."""
-    from skipkey.trace import Trace
-
-    return Trace.collect(engine, prompts, settings, **kwargs)
-
-
-__all__ = ["Engine", "InputError", "StepEvent", "get_adapter", "logits_processors", "run"]
+__all__ = ["Engine", "InputError", "StepEvent", "get_adapter", "logits_processors"]
