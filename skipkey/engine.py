@@ -27,7 +27,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from skipkey.adapters import ModelAdapter, adapter_for
+from skipkey.architectures import get_architecture
 from skipkey.attention import StepState
 from skipkey.cache import EMPTY, KVCache
 from skipkey.config import GenerationSettings, validate_prompt_ids
@@ -58,20 +58,6 @@ class StepEvent:
     prompt_lengths: tuple[int, ...] | None = None  # on the first event only
     logprobs: tuple[float, ...] | None = None  # of the forced tokens, when teacher forcing
     greedy: tuple[int, ...] | None = None  # the model's own argmax where a token was forced
-
-
-_ADAPTER_LOCK = threading.Lock()
-
-
-def get_adapter(model) -> ModelAdapter:
-    """One adapter per model object (it registers SkipKey's attention once), safe across threads."""
-    adapter = getattr(model, "_skipkey_adapter", None)
-    if adapter is None:
-        with _ADAPTER_LOCK:
-            adapter = getattr(model, "_skipkey_adapter", None)
-            if adapter is None:
-                adapter = model._skipkey_adapter = adapter_for(model)
-    return adapter
 
 
 def logits_processors(settings: GenerationSettings) -> LogitsProcessorList:
@@ -111,11 +97,11 @@ class Engine:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.adapter = get_adapter(loaded.model)
+        self.arch = get_architecture(loaded.model)
         self.skip = skip
         self.kv = kv
         if skip is not None:
-            skip.validate(self.adapter.num_layers)
+            skip.validate(self.arch.num_layers)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
         pad = self.model.generation_config.pad_token_id
@@ -142,29 +128,29 @@ class Engine:
     def prefill(self, cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, state: StepState,
                 measure_importance: bool) -> tuple[torch.Tensor, list[float] | None]:
         """Run the prompt through every layer; return last-position logits (and layer importance)."""
-        adapter = self.adapter
+        arch = self.arch
         rope_pos = positions.clamp(min=0)
-        hidden = adapter.embed(input_ids, rope_pos)
-        layer_kwargs = adapter.position_inputs(hidden, rope_pos)
+        hidden = arch.embed(input_ids, rope_pos)
+        layer_kwargs = arch.position_inputs(hidden, rope_pos)
         importance = [] if measure_importance else None
         valid = positions >= 0
-        for idx in range(adapter.num_layers):
-            out = adapter.run_layer(idx, hidden, layer_kwargs[idx], cache=cache, state=state)
+        for idx in range(arch.num_layers):
+            out = arch.run_layer(idx, hidden, layer_kwargs[idx], cache=cache, state=state)
             if importance is not None:
                 importance.append(layer_importance(hidden, out, valid))
             hidden = out
-        return adapter.head(hidden[:, -1:])[:, -1], importance
+        return arch.head(hidden[:, -1:])[:, -1], importance
 
     def decode_one_token(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
                          layers: Sequence[int], state: StepState) -> torch.Tensor:
         """Feed one token per row through ``layers``; a skipped layer is the identity."""
-        adapter = self.adapter
+        arch = self.arch
         pos = positions[:, None]
-        hidden = adapter.embed(tokens[:, None], pos)
-        layer_kwargs = adapter.position_inputs(hidden, pos)
+        hidden = arch.embed(tokens[:, None], pos)
+        layer_kwargs = arch.position_inputs(hidden, pos)
         for idx in layers:
-            hidden = adapter.run_layer(idx, hidden, layer_kwargs[idx], cache=cache, state=state)
-        return adapter.head(hidden)[:, -1]
+            hidden = arch.run_layer(idx, hidden, layer_kwargs[idx], cache=cache, state=state)
+        return arch.head(hidden)[:, -1]
 
     def _select(self, logits: torch.Tensor, history: torch.Tensor, processors, settings, generator):
         if not settings.do_sample:
@@ -193,7 +179,7 @@ class Engine:
             settings = GenerationSettings(max_new_tokens=lengths.pop(), ignore_eos=True)
             forced_ids = torch.tensor(forced, device=self.device)
         prompt_ids = self.encode(prompts, settings.max_new_tokens)
-        device, adapter = self.device, self.adapter
+        device, arch = self.device, self.arch
         rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
         prompt_lens = [len(p) for p in prompt_ids]
 
@@ -204,7 +190,7 @@ class Engine:
             positions[r, width - len(ids):] = torch.arange(len(ids))
         input_ids, positions = input_ids.to(device), positions.to(device)
 
-        cache = KVCache([info.sliding_window for info in adapter.layer_info])
+        cache = KVCache([info.sliding_window for info in arch.layer_info])
         kv = self.kv
         budgets = [kv.budget_tokens(n) for n in prompt_lens] if kv is not None else None
         generator = torch.Generator(device=device).manual_seed(settings.seed)
@@ -212,7 +198,7 @@ class Engine:
         processors = logits_processors(settings)
         detok = _Detokenizer(self.tokenizer, rows)
         finished = [False] * rows
-        all_layers = tuple(range(adapter.num_layers))
+        all_layers = tuple(range(arch.num_layers))
 
         def state_for(step: int, query_positions: torch.Tensor) -> StepState:
             contribution = None
@@ -255,7 +241,7 @@ class Engine:
         cache.pending_positions, cache.pending_dense = positions, bool((positions >= 0).all())
         plan_needs_importance = self.skip is not None and self.skip.needs_importance
         logits, importance = self.prefill(cache, input_ids, positions, state_for(0, positions), plan_needs_importance)
-        plan = self.skip.plan(adapter.num_layers, importance) if self.skip is not None else None
+        plan = self.skip.plan(arch.num_layers, importance) if self.skip is not None else None
         next_pos = torch.tensor(prompt_lens, device=device)
         self._shrink(cache, all_layers, budgets, next_pos)
         history = input_ids
@@ -293,4 +279,4 @@ class Engine:
                 layer.trim_to_window(next_positions)
 
 
-__all__ = ["Engine", "InputError", "StepEvent", "get_adapter", "logits_processors"]
+__all__ = ["Engine", "InputError", "StepEvent", "logits_processors"]

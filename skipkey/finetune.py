@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, require_float, require_int
-from skipkey.engine import Engine, get_adapter
+from skipkey.architectures import cached_architecture, get_architecture
+from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.skipdecode import make_skipdecode
 from skipkey.teacher_forced import teacher_forced_logits_batch
@@ -203,7 +204,7 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
 def fingerprint(model) -> dict:
     """What identifies a base model: its shape, and a checksum of layer 0's weights (dtype-robust)."""
     cfg = model.config.get_text_config()
-    layer0 = get_adapter(model).layers[0]
+    layer0 = get_architecture(model).layers[0]
     return {
         "model_type": cfg.model_type,
         "num_layers": int(cfg.num_hidden_layers),
@@ -230,7 +231,7 @@ def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> di
         return torch.load(path)
     prompts = training_prompts(cfg.sequences, cfg.seed)
     engine = Engine(loaded)
-    adapter = engine.adapter
+    arch = engine.arch
     settings = GenerationSettings(max_new_tokens=cfg.gen_len, ignore_eos=True)  # as the eval's references
     prompt_ids, continuations, teacher_logp, teacher_ids = [], [], [], []
     started = time.perf_counter()
@@ -243,7 +244,7 @@ def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> di
         for sub in range(0, len(ids), 8):  # the teacher pass, 8 rows at a time to bound memory
             batch = make_batch(part, list(range(sub, min(sub + 8, len(ids)))), cfg.gen_len)
             with torch.inference_mode():
-                logits = teacher_forced_logits_batch(adapter, batch["input_ids"], batch["prompt_lens"],
+                logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"],
                                                      attention_mask=batch["attention_mask"],
                                                      logits_at=batch["logits_at"])
                 top = torch.log_softmax(logits, dim=-1).topk(TEACHER_TOP_K, dim=-1)
@@ -329,9 +330,9 @@ def distill_kl(logq: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torc
     return (kl_top + log_rest_p.exp() * (log_rest_p - log_rest_q)).mean()
 
 
-def skipdecode_loss(adapter, batch: dict, layer_sets, kl_weight: float):
+def skipdecode_loss(arch, batch: dict, layer_sets, kl_weight: float):
     """(loss, LM loss, KL) of the skipping model on the batch's continuations."""
-    logits = teacher_forced_logits_batch(adapter, batch["input_ids"], batch["prompt_lens"], layer_sets,
+    logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"], layer_sets,
                                          attention_mask=batch["attention_mask"], logits_at=batch["logits_at"])
     logq = torch.log_softmax(logits, dim=-1)
     lm = F.nll_loss(logq, batch["targets"])
@@ -350,7 +351,7 @@ def learning_rate(step: int, cfg: FinetuneConfig) -> float:
 # -- LoRA, checkpoints ----------------------------------------------------------------------
 def lora_targets(model) -> list[str]:
     """Names of the linear projections inside a decoder layer (attention and MLP) in this family."""
-    layer = get_adapter(model).layers[0]
+    layer = get_architecture(model).layers[0]
     return sorted({name.rsplit(".", 1)[-1] for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)})
 
 
@@ -431,7 +432,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
     device = next(loaded.model.parameters()).device
     peft_model = add_lora(loaded.model, cfg, targets)
     try:
-        adapter = get_adapter(loaded.model)
+        arch = get_architecture(loaded.model)
         params = trainable(peft_model)
         optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
         history, seconds, start = [], 0.0, 0
@@ -449,7 +450,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
             target, layer_sets = draw_layer_sets(num_layers, cfg, step)
             batch = {k: v.to(device) if torch.is_tensor(v) else v
                      for k, v in make_batch(data, batch_rows(data, step, cfg), cfg.gen_len).items()}
-            loss, lm, kl = skipdecode_loss(adapter, batch, layer_sets, cfg.kl_weight)
+            loss, lm, kl = skipdecode_loss(arch, batch, layer_sets, cfg.kl_weight)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params.values(), GRAD_CLIP)
             optimizer.step()
@@ -569,9 +570,9 @@ def _copy_for_merge(model, target_modules: list[str]):
     targeted = {id(m.weight) for name, m in model.named_modules()
                 if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules}
     memo = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in targeted}
-    engine_adapter = getattr(model, "_skipkey_adapter", None)
-    if engine_adapter is not None:
-        memo[id(engine_adapter)] = None  # the copy gets its own adapter on first use
+    arch = cached_architecture(model)
+    if arch is not None:
+        memo[id(arch)] = None  # the copy gets its own architecture on first use
     return copy.deepcopy(model, memo)
 
 
