@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from skipkey.config import GenerationSettings
+from skipkey.config import GenerationSettings, decode_steps
 from skipkey.engine import Engine
 from skipkey.errors import InputError
 from skipkey.kv_policies import KVPolicy, make_kv_policy
@@ -222,7 +222,7 @@ def build_request(num_layers: int, *, model: str, prompt, max_new_tokens, decodi
                                   temperature=_number(temperature), seed=seed)
     skip = None
     if _flag("SkipDecode on/off", skip_on):
-        gen_len = max(1, settings.max_new_tokens - 1)
+        gen_len = decode_steps(settings.max_new_tokens)
         common = dict(kind=schedule, policy=layer_policy, warmup=_whole(_number(warmup)),
                       exponent=_number(exponent))
         if _choice("set SkipDecode by", set_by, SET_BY) == "target speedup":
@@ -251,7 +251,7 @@ def preview_schedule(num_layers: int, *, max_new_tokens, schedule, set_by, b_max
         seed=0, skip_on=True, layer_policy="top", schedule=schedule, set_by=set_by, b_max=b_max, b_min=b_min,
         horizon=horizon, warmup=warmup, exponent=exponent, target_speedup=target_speedup, kv_on=False,
         kv_policy="", kv_budget_pct=None, kv_recent_pct=None, tau_init=None, tau_end=None)
-    return request.skip.schedule, max(1, request.settings.max_new_tokens - 1)
+    return request.skip.schedule, decode_steps(request.settings.max_new_tokens)
 
 
 FULL_LABEL, SKIPKEY_LABEL = "Full model", "SkipKey"

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings
+from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv_policies import POLICIES, make_kv_policy
 from skipkey.schedules import SCHEDULE_KINDS
@@ -100,7 +100,7 @@ def methods_from(args, num_layers: int, max_new_tokens: int):
     """(SkipDecode or None, KV policy or None) from the options."""
     skip = None
     if skip_requested(args):
-        skip = make_skipdecode(num_layers, max(1, max_new_tokens - 1), target=args.skip_target,
+        skip = make_skipdecode(num_layers, decode_steps(max_new_tokens), target=args.skip_target,
                                kind=args.skip_schedule, policy=args.skip_policy, b_max=args.skip_max,
                                b_min=args.skip_min, horizon=args.skip_horizon, warmup=args.skip_warmup,
                                exponent=args.skip_exponent, layers=args.skip_layers)
@@ -181,7 +181,7 @@ def cmd_bench(args) -> int:
         accelerated.append((label, skip, kv))
     for target in args.compare_targets:
         accelerated.append((f"skip {args.skip_policy} {target}x",
-                            make_skipdecode(loaded.num_layers, settings.max_new_tokens - 1, target=target,
+                            make_skipdecode(loaded.num_layers, decode_steps(settings.max_new_tokens), target=target,
                                             kind=args.skip_schedule, policy=args.skip_policy), None))
     for name in args.compare_kv:
         policy = make_kv_policy(name, args.kv_budget, args.kv_recent, tau_init=args.tau_init, tau_end=args.tau_end,

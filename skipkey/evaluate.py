@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from skipkey.config import GenerationSettings
+from skipkey.config import GenerationSettings, decode_steps
 from skipkey.engine import Engine
 from skipkey.errors import InputError
 from skipkey.metrics import agreement, rouge_l
@@ -230,7 +230,7 @@ def kv_configs(num_layers: int, policies: list[str], budgets: list[float], seed:
                 continue
             configs.append(EvalConfig(f"{name} {budget:.0%}", kv=make_kv_policy(name, budget, seed=seed),
                                       policy=name, budget=budget))
-    skip = make_skipdecode(num_layers, max(1, max_new_tokens - 1), target=2.0)
+    skip = make_skipdecode(num_layers, decode_steps(max_new_tokens), target=2.0)
     configs.append(EvalConfig("keyformer 50% + skip 2x", skip=skip, kv=make_kv_policy("keyformer", 0.5, seed=seed),
                               policy="keyformer+skip", budget=0.5, target=2.0))
     return configs
@@ -242,7 +242,7 @@ def skip_configs(num_layers: int, targets: list[float], max_new_tokens: int):
     configs = [EvalConfig("full")]
     for policy in ("top", "importance"):
         for target in targets:
-            skip = make_skipdecode(num_layers, max(1, max_new_tokens - 1), target=target, policy=policy)
+            skip = make_skipdecode(num_layers, decode_steps(max_new_tokens), target=target, policy=policy)
             configs.append(EvalConfig(f"{policy} {target}x", skip=skip, policy=policy, target=target))
     return configs
 

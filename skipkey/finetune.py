@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, require_float, require_int
+from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps, require_float, require_int
 from skipkey.architectures import cached_architecture, get_architecture
 from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
@@ -78,7 +78,7 @@ class FinetuneConfig:
     alpha: float = 16.0
     kl_weight: float = 1.0
     targets: tuple[float, ...] = (1.5, 3.0)  # one value: fixed; two: uniform range, drawn per batch
-    gen_len: int = 64  # continuation tokens; the schedule covers its gen_len - 1 decode steps
+    gen_len: int = 64  # continuation tokens; the schedule covers their decode steps
     sequences: int = 320
     seed: int = 0
     checkpoint_every: int = 10
@@ -105,7 +105,7 @@ class FinetuneConfig:
 
     @property
     def schedule_steps(self) -> int:
-        return self.gen_len - 1
+        return decode_steps(self.gen_len)
 
     def command(self) -> str:
         """The CLI line that makes this run (every setting spelled out)."""
