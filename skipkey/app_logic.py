@@ -30,6 +30,7 @@ from skipkey.engine import Engine
 from skipkey.errors import InputError
 from skipkey.kv_policies import KVPolicy, make_kv_policy
 from skipkey.loading import EMBEDDED, LoadedModel
+from skipkey.lora import load_tuned
 from skipkey.metrics import agreement, compute, kv_share, memory, rouge_l, speed
 from skipkey.skipdecode import SkipDecode, make_skipdecode
 from skipkey.trace import Trace
@@ -63,8 +64,6 @@ def default_loader(name: str) -> LoadedModel:
 
 
 def default_tuner(loaded: LoadedModel, adapter_dir: Path) -> LoadedModel:
-    from skipkey.finetune import load_tuned
-
     return load_tuned(loaded, adapter_dir)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -18,29 +17,6 @@ from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv_policies import POLICIES, make_kv_policy
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
-
-RANDOM_PREFIX = "random:"
-
-
-def load(name: str, device: str | None, dtype: str | None, adapter: str | None = None):
-    """The embedded model, a Hub id, a local directory, or ``random:SHAPE`` for speed benchmarks.
-
-    ``adapter``: a SkipDecode LoRA adapter (``finetune``) merged into a copy; refused for another model.
-    """
-    from skipkey.loading import load_model, resolve_device, resolve_dtype
-
-    if name.startswith(RANDOM_PREFIX):
-        from skipkey.tiny import shaped_model
-
-        dev = resolve_device(device)
-        loaded = shaped_model(name[len(RANDOM_PREFIX):], device=dev, dtype=resolve_dtype(dtype, dev))
-    else:
-        loaded = load_model(name, device=device, dtype=dtype)
-    if adapter is not None:
-        from skipkey.finetune import load_tuned
-
-        return load_tuned(loaded, adapter)
-    return loaded
 
 
 # -- shared options -------------------------------------------------------------
@@ -124,6 +100,7 @@ def check_methods_early(args):
 def cmd_generate(args) -> int:
     from skipkey.engine import Engine
     from skipkey.metrics import compute, memory, speed
+    from skipkey.models import load
     from skipkey.trace import Trace
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
@@ -168,6 +145,8 @@ def cmd_bench(args) -> int:
 
     from skipkey.bench import format_table, run_bench, synthetic_prompt
     from skipkey.engine import Engine
+    from skipkey.models import load
+    from skipkey.provenance import command_line, machine_description
 
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     check_methods_early(args)
@@ -202,33 +181,13 @@ def cmd_bench(args) -> int:
                                log=lambda msg: print(msg, file=sys.stderr))
             result.update(model=loaded.name, device=str(loaded.device), dtype=str(loaded.dtype),
                           date=time.strftime("%Y-%m-%d"), machine=machine_description(loaded.device),
-                          command=command_line(args))
+                          command=command_line(args.argv))
             print(format_table(result), flush=True)
             results.append(result)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(results, indent=1))
     return 0
-
-
-def machine_description(device) -> str:
-    """What the figures were measured on: the GPU's name, or the CPU model and core count."""
-    import os
-    import platform
-
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def cmd_finetune(args) -> int:
@@ -326,11 +285,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action="store_true", help="discard the checkpoint in the work dir")
     p.set_defaults(func=cmd_finetune)
     return parser
-
-
-def command_line(args) -> str:
-    """The command that made a result, for its JSON (every figure names its command)."""
-    return shlex.join(["python", "-m", "skipkey", *args.argv])
 
 
 def main(argv: list[str] | None = None) -> int:

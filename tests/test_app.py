@@ -404,7 +404,7 @@ def test_a_finished_run_keeps_a_bounded_history(tiny):
 
 # -- the tuned toggle -------------------------------------------------------------------
 def test_tuned_weights_run_on_the_skipkey_side_only(demo, tiny, tiny_adapter):
-    from skipkey.finetune import load_tuned
+    from skipkey.lora import load_tuned
 
     outputs = run(demo, max_new_tokens=8, tuned=True, kv_on=False)
     status, full_text, _, skip_text, *_ = outputs[-1]

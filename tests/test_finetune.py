@@ -10,19 +10,9 @@ from safetensors.torch import load_file
 from skipkey.cli import main as cli_main
 from skipkey.architectures import get_architecture
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.evaluate import ORDINARY_PROMPTS
-from skipkey.finetune import (
-    METADATA_FILE,
-    FinetuneConfig,
-    build_dataset,
-    draw_layer_sets,
-    fingerprint,
-    load_tuned,
-    make_batch,
-    skipdecode_loss,
-    train,
-    training_prompts,
-)
+from skipkey.finetune import FinetuneConfig, build_dataset, draw_layer_sets, make_batch, skipdecode_loss, train
+from skipkey.lora import METADATA_FILE, fingerprint, load_tuned
+from skipkey.prompts import ORDINARY_PROMPTS, training_prompts
 from skipkey.tiny import tiny_model
 
 TINY = dict(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, gen_len=8, sequences=16, targets=(1.5, 2.5),
