@@ -36,7 +36,7 @@ from skipkey.kv_policies import POLICIES as KV_POLICIES
 from skipkey.kv_policies import KVPolicy, make_kv_policy
 from skipkey.loading import EMBEDDED, LoadedModel
 from skipkey.lora import load_tuned
-from skipkey.metrics import agreement, compute, kv_share, memory, rouge_l, speed
+from skipkey.metrics import Compute, Speed, agreement, compute, kv_share, memory, rouge_l, speed
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES, SkipDecode, make_skipdecode
 from skipkey.trace import Trace
@@ -426,26 +426,24 @@ def _fmt(value: float | None, pattern: str, missing: str = "–") -> str:
 
 @dataclass(frozen=True)
 class SideMetrics:
-    """The numbers under one column."""
+    """The numbers under one column: the metrics' records, plus the KV share and the measured speedup."""
 
-    tokens_per_s: float
-    ms_per_token: float
-    ttft_s: float
+    speed: Speed
     kv_mb: float
     kv_percent: float
-    mean_layers: float | None = None
-    nominal_speedup: float | None = None
+    compute: Compute | None = None  # SkipKey's side only
     measured_speedup: float | None = None
 
     def markdown(self) -> str:
+        s = self.speed
         lines = [
-            f"**{_fmt(self.tokens_per_s, '{:.1f}')}** tokens/s · **{_fmt(self.ms_per_token, '{:.0f}')}** ms/token "
-            f"· first token **{_fmt(self.ttft_s, '{:.2f}')}** s",
+            f"**{_fmt(s.tokens_per_s, '{:.1f}')}** tokens/s · **{_fmt(s.ms_per_token_p50, '{:.0f}')}** ms/token "
+            f"· first token **{_fmt(s.ttft_s, '{:.2f}')}** s",
             f"KV cache **{_fmt(self.kv_mb, '{:.2f}')}** MB ({_fmt(self.kv_percent, '{:.0f}')}% of full)",
         ]
-        if self.mean_layers is not None:
-            lines.append(f"**{_fmt(self.mean_layers, '{:.1f}')}** layers/token · nominal speedup "
-                         f"**{_fmt(self.nominal_speedup, '{:.2f}')}x** · measured "
+        if self.compute is not None:
+            lines.append(f"**{_fmt(self.compute.mean_layers, '{:.1f}')}** layers/token · nominal speedup "
+                         f"**{_fmt(self.compute.nominal_speedup, '{:.2f}')}x** · measured "
                          f"**{_fmt(self.measured_speedup, '{:.2f}')}x**")
         return "  \n".join(lines)
 
@@ -455,15 +453,12 @@ def side_metrics(trace: Trace, reference: Trace | None = None) -> SideMetrics:
     timing = speed(trace)
     held = memory(trace).kv_bytes_final
     if reference is None:
-        return SideMetrics(timing.tokens_per_s, timing.ms_per_token_p50, timing.ttft_s, held / 1e6,
-                           100.0 if trace.events else float("nan"))
+        return SideMetrics(timing, held / 1e6, 100.0 if trace.events else float("nan"))
     ref_timing = speed(reference)
-    work = compute(trace)
     measured = (ref_timing.ms_per_token_p50 / timing.ms_per_token_p50
                 if timing.decode_tokens and ref_timing.decode_tokens else float("nan"))
-    return SideMetrics(timing.tokens_per_s, timing.ms_per_token_p50, timing.ttft_s, held / 1e6,
-                       100.0 * kv_share(trace, reference), mean_layers=work.mean_layers,
-                       nominal_speedup=work.nominal_speedup, measured_speedup=measured)
+    return SideMetrics(timing, held / 1e6, 100.0 * kv_share(trace, reference), compute=compute(trace),
+                       measured_speedup=measured)
 
 
 def agreement_summary(full: Trace, skipkey: Trace, tokenizer=None, final: bool = False) -> str:
