@@ -14,7 +14,8 @@ from pathlib import Path
 
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv_policies import POLICIES, make_kv_policy
+from skipkey.kv_policies import POLICIES as KV_POLICIES
+from skipkey.kv_policies import make_kv_policy
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
 
@@ -42,6 +43,7 @@ def add_generation_args(p: argparse.ArgumentParser, default_tokens: int = 64):
 
 
 def add_method_args(p: argparse.ArgumentParser):
+    """The SkipDecode and KV options; ``skipdecode_from`` and ``kv_policy_from`` read them."""
     g = p.add_argument_group("SkipDecode")
     g.add_argument("--skip-target", type=float, default=None,
                    help="target nominal speedup of the layer stack (e.g. 2.0); picks the schedule")
@@ -54,7 +56,7 @@ def add_method_args(p: argparse.ArgumentParser):
     g.add_argument("--skip-exponent", type=float, default=2.0, help="power-law exponent")
     g.add_argument("--skip-policy", choices=LAYER_POLICIES, default="top")
     g = p.add_argument_group("KV cache (Keyformer and baselines)")
-    g.add_argument("--kv-policy", choices=list(POLICIES), default=None)
+    g.add_argument("--kv-policy", choices=list(KV_POLICIES), default=None)
     g.add_argument("--kv-budget", default="0.5",
                    help="fraction of the prompt in (0, 1], or a whole number of tokens above 1")
     g.add_argument("--kv-recent", type=float, default=0.3, help="share of the budget kept for recent tokens")
@@ -72,18 +74,24 @@ def skip_requested(args) -> bool:
         v is not None for v in (args.skip_max, args.skip_min, args.skip_horizon, args.skip_layers))
 
 
+def skipdecode_from(args, num_layers: int, max_new_tokens: int):
+    """The SkipDecode config the options describe."""
+    return make_skipdecode(num_layers, decode_steps(max_new_tokens), target=args.skip_target,
+                           kind=args.skip_schedule, policy=args.skip_policy, b_max=args.skip_max,
+                           b_min=args.skip_min, horizon=args.skip_horizon, warmup=args.skip_warmup,
+                           exponent=args.skip_exponent, layers=args.skip_layers)
+
+
+def kv_policy_from(args, name: str | None = None):
+    """The KV policy ``name`` (default: ``--kv-policy``) with the KV options."""
+    return make_kv_policy(name or args.kv_policy, args.kv_budget, args.kv_recent, tau_init=args.tau_init,
+                          tau_end=args.tau_end, seed=args.seed)
+
+
 def methods_from(args, num_layers: int, max_new_tokens: int):
     """(SkipDecode or None, KV policy or None) from the options."""
-    skip = None
-    if skip_requested(args):
-        skip = make_skipdecode(num_layers, decode_steps(max_new_tokens), target=args.skip_target,
-                               kind=args.skip_schedule, policy=args.skip_policy, b_max=args.skip_max,
-                               b_min=args.skip_min, horizon=args.skip_horizon, warmup=args.skip_warmup,
-                               exponent=args.skip_exponent, layers=args.skip_layers)
-    kv = None
-    if args.kv_policy is not None:
-        kv = make_kv_policy(args.kv_policy, args.kv_budget, args.kv_recent, tau_init=args.tau_init,
-                            tau_end=args.tau_end, seed=args.seed)
+    skip = skipdecode_from(args, num_layers, max_new_tokens) if skip_requested(args) else None
+    kv = kv_policy_from(args) if args.kv_policy is not None else None
     return skip, kv
 
 
@@ -92,8 +100,7 @@ def check_methods_early(args):
     if args.skip_target is not None and args.skip_target < 1:
         raise InputError(f"--skip-target must be at least 1 (a speedup), got {args.skip_target}")
     if args.kv_policy is not None:
-        make_kv_policy(args.kv_policy, args.kv_budget, args.kv_recent, tau_init=args.tau_init,
-                       tau_end=args.tau_end, seed=args.seed)
+        kv_policy_from(args)
 
 
 # -- commands -------------------------------------------------------------------
@@ -159,12 +166,11 @@ def cmd_bench(args) -> int:
         label = " + ".join(x for x in (skip and skip.describe(), kv and kv.describe()) if x)
         accelerated.append((label, skip, kv))
     for target in args.compare_targets:
-        accelerated.append((f"skip {args.skip_policy} {target}x",
-                            make_skipdecode(loaded.num_layers, decode_steps(settings.max_new_tokens), target=target,
-                                            kind=args.skip_schedule, policy=args.skip_policy), None))
+        skip = make_skipdecode(loaded.num_layers, decode_steps(settings.max_new_tokens), target=target,
+                               kind=args.skip_schedule, policy=args.skip_policy)
+        accelerated.append((f"skip {args.skip_policy} {target}x", skip, None))
     for name in args.compare_kv:
-        policy = make_kv_policy(name, args.kv_budget, args.kv_recent, tau_init=args.tau_init, tau_end=args.tau_end,
-                                seed=args.seed)
+        policy = kv_policy_from(args, name)
         accelerated.append((policy.describe(), None, policy))
     results = []
     for prompt_tokens in args.prompt_tokens:
@@ -229,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write the results as JSON here")
     p.add_argument("--compare-targets", type=float, nargs="*", default=[],
                    help="also run SkipDecode at each of these nominal speedups (with --skip-policy)")
-    p.add_argument("--compare-kv", nargs="*", default=[], choices=list(POLICIES),
+    p.add_argument("--compare-kv", nargs="*", default=[], choices=list(KV_POLICIES),
                    help="also run each of these KV policies at --kv-budget")
     add_method_args(p)
     add_adapter_arg(p, "also run each accelerated configuration on the model with this adapter merged")
@@ -248,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retrieval-samples", type=int, default=5)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     p.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0, 5.0])
-    p.add_argument("--kv-policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--kv-policies", nargs="+", default=list(KV_POLICIES))
     p.add_argument("--ppl-tokens", type=int, default=256,
                    help="long-text perplexity: tokens scored after a --ppl-prompt-tokens prompt")
     p.add_argument("--kv-prompt-tokens", type=int, default=384,
