@@ -100,3 +100,10 @@ def test_serving_never_imports_training_or_evaluation(graph):
                 seen.add(module)
                 todo += graph.get(module, ())
         assert not seen & TRAINING_AND_EVALUATION, f"{start} reaches {sorted(seen & TRAINING_AND_EVALUATION)}"
+
+
+def test_the_readme_table_lists_every_module_in_layer_order():
+    import re
+
+    listed = re.findall(r"^\| `skipkey/(\w+)\.py` \|", (ROOT / "README.md").read_text(), flags=re.M)
+    assert listed == [name for name in LAYERS if name not in ("__init__", "__main__")]
