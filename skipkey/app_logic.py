@@ -29,6 +29,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Iterator, Mapping, Sequence
 
+from skipkey.architectures import get_architecture
 from skipkey.config import GenerationSettings, decode_steps
 from skipkey.engine import Engine
 from skipkey.errors import InputError
@@ -151,7 +152,7 @@ class ModelCache:
                 loaded = self._tuner(self.future(name).result(), self.adapters[name])
             else:
                 loaded = self._loader(name)
-            Engine(loaded)  # set the model up for the engine once, before requests share it
+            get_architecture(loaded.model)  # registers SkipKey's attention once, before requests share it
         except BaseException as error:  # noqa: BLE001 - handed to every waiting request
             future.set_exception(error)
         else:
