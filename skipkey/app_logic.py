@@ -75,10 +75,6 @@ def default_loader(name: str) -> LoadedModel:
     return load_model(name, progress=True)
 
 
-def default_tuner(loaded: LoadedModel, adapter_dir: Path) -> LoadedModel:
-    return load_tuned(loaded, adapter_dir)
-
-
 class ModelCache:
     """Each allowed model is loaded once, on a background thread, and then shared.
 
@@ -89,7 +85,7 @@ class ModelCache:
     """
 
     def __init__(self, loader: Loader = default_loader, allowed: Sequence[str] | None = None,
-                 adapters: dict[str, Path] | None = None, tuner: Tuner = default_tuner):
+                 adapters: dict[str, Path] | None = None, tuner: Tuner = load_tuned):
         self._loader, self._tuner = loader, tuner
         self.allowed = tuple(allowed) if allowed is not None else allowed_models()
         if not self.allowed:
