@@ -2,39 +2,45 @@
 
 ``python app.py`` serves it on the embedded model (Gemma 3 270M) at port 7860.
 ``SKIPKEY_MODELS="facebook/opt-1.3b,Qwen/Qwen2.5-0.5B"`` offers more models
-(GPU deployments). The page only wires ``skipkey.app_logic`` (model cache,
-request edge, interleaved comparison) and ``skipkey.figures`` to components.
+(GPU deployments). The page only wires ``skipkey.app_logic`` (the controls'
+declaration, model cache, request edge, interleaved comparison) and
+``skipkey.figures`` to components: ``Handlers`` holds what its events call,
+as plain methods, and ``build_demo`` lays the declared controls out.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import math
 import os
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import gradio as gr
 
 from skipkey import figures
 from skipkey.app_logic import (
-    DECODING,
-    SET_BY,
+    CONTROLS,
+    DEFAULT_NEW_TOKENS,
+    DEFAULT_PROMPT,
+    MAX_NEW_TOKENS_UI,
+    PREVIEW_CONTROLS,
+    Controls,
     ModelCache,
     agreement_summary,
     build_request,
     compare,
     preview_schedule,
+    prompt_token_texts,
     recorded_step,
     side_metrics,
     thin_history,
 )
-from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.schedules import SCHEDULE_KINDS
-from skipkey.skipdecode import LAYER_POLICIES
 
 log = logging.getLogger("skipkey.app")
 
@@ -46,8 +52,6 @@ except ImportError:
     def gpu(fn):
         return fn
 
-DEFAULT_NEW_TOKENS = 48  # light enough that the embedded model answers within seconds on a small CPU
-MAX_NEW_TOKENS_UI = 512
 FIGURE_EVERY = 8  # redraw the heatmaps every this many tokens while streaming
 FIGURE_INTERVAL = 1.0  # ... and at most this often (s)
 TEXT_INTERVAL = 0.1  # stream text at most this often (s)
@@ -56,7 +60,6 @@ QUEUE_SIZE = int(os.environ.get("SKIPKEY_QUEUE_SIZE", "16"))
 # A finished run stays in its session for the step slider, bounded in time and in sessions held.
 STATE_TTL_S = 900
 STATE_SESSIONS = 64
-KV_POLICY_CHOICES = ["keyformer", "h2o", "streaming", "window"]  # "full" is the left column
 THEME = gr.themes.Soft(primary_hue="blue")
 CSS = """
 #status {min-height: 1.5em}
@@ -81,20 +84,50 @@ RETRIEVAL_PROMPT = (
 # In the retrieval prompt the first digit of the code comes from the prompt pass; the others need the cache
 # to still hold Note 1: on the embedded model, keyformer at 50% keeps more of it than h2o, and window none.
 EXAMPLES = [
-    ["The three primary colours of light are", DEFAULT_NEW_TOKENS, False, 50, 30],
+    [DEFAULT_PROMPT, DEFAULT_NEW_TOKENS, False, 50, 30],
     ["Here is a short story about a robot who learns to paint.\n\nOnce upon a time,", DEFAULT_NEW_TOKENS, False, 50,
      30],
     ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", DEFAULT_NEW_TOKENS, False, 50, 30],
     [RETRIEVAL_PROMPT, 8, True, 50, 10],
 ]
 EXAMPLE_LABELS = ["Colours", "Story", "Code", "Long-context retrieval (eviction matters)"]
+EXAMPLE_INPUTS = ("prompt", "max_new_tokens", "kv_on", "kv_budget_pct", "kv_recent_pct")  # the columns above
 
-# The comparison's controls, in the order of ``compare_handler``'s parameters (its API names).
-CONTROLS = ("prompt", "model", "max_new_tokens", "decoding", "temperature", "seed", "skip_on", "layer_policy",
-            "schedule", "set_by", "b_max", "b_min", "horizon", "warmup", "exponent", "target_speedup", "kv_on",
-            "kv_policy", "kv_budget_pct", "kv_recent_pct", "tau_init", "tau_end", "tuned")
-SCHEDULE_CONTROLS = ("model", "max_new_tokens", "schedule", "set_by", "b_max", "b_min", "horizon", "warmup",
-                     "exponent", "target_speedup")
+
+class ComparisonOutputs(NamedTuple):
+    """What ``/compare`` updates, in order: the components, or the values a step sends them."""
+
+    status: object
+    full_text: object
+    full_metrics: object
+    skip_text: object
+    skip_metrics: object
+    skip_html: object
+    agreement: object
+    layer_plot: object
+    retention_plot: object
+    step: object
+    last_run: object  # the session's finished run, for the step slider (not sent to API clients)
+
+    @classmethod
+    def status_only(cls, status: str) -> "ComparisonOutputs":
+        return cls(status, *(gr.skip(),) * (len(cls._fields) - 1))
+
+
+class ModelOutputs(NamedTuple):
+    """What choosing a model updates: the status and the controls that depend on its size."""
+
+    status: object
+    b_max: object
+    b_min: object
+    warmup: object
+    target_speedup: object
+    max_new_tokens: object
+    tuned: object
+
+    @classmethod
+    def status_only(cls, status: str) -> "ModelOutputs":
+        return cls(status, *(gr.skip(),) * (len(cls._fields) - 1))
 
 
 class RunningRequests:
@@ -136,37 +169,39 @@ def _user_error(message: str) -> gr.Error:
     return gr.Error(message, print_exception=False)
 
 
-def layer_slider_updates(num_layers: int, warmup: int = 1) -> tuple:
+def layer_slider_updates(num_layers: int, warmup: int = 1) -> dict:
     """Slider limits for a model with ``num_layers`` layers (b_max, b_min, warmup, target speedup)."""
-    return (
-        gr.update(maximum=num_layers, value=num_layers),
-        gr.update(maximum=num_layers, value=max(warmup + 1, (2 * num_layers) // 3)),
-        gr.update(maximum=num_layers - 1, value=min(warmup, num_layers - 1)),
-        gr.update(maximum=round(num_layers / (warmup + 1), 2), value=min(1.5, num_layers / (warmup + 1))),
+    return dict(
+        b_max=gr.update(maximum=num_layers, value=num_layers),
+        b_min=gr.update(maximum=num_layers, value=max(warmup + 1, (2 * num_layers) // 3)),
+        warmup=gr.update(maximum=num_layers - 1, value=min(warmup, num_layers - 1)),
+        target_speedup=gr.update(maximum=round(num_layers / (warmup + 1), 2),
+                                 value=min(1.5, num_layers / (warmup + 1))),
     )
 
 
-def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | None = None,
-               adapters: dict | None = None, models: ModelCache | None = None, concurrency_limit: int = CONCURRENCY,
-               max_size: int = QUEUE_SIZE, figure_every: int = FIGURE_EVERY,
-               figure_interval: float = FIGURE_INTERVAL, text_interval: float = TEXT_INTERVAL,
-               default_new_tokens: int = DEFAULT_NEW_TOKENS) -> gr.Blocks:
-    """The page. ``loader`` maps a model name to a ``LoadedModel`` (tests inject a tiny one);
-    ``adapters`` maps a model name to its SkipDecode adapter (default: the committed one)."""
-    if models is None:
-        kwargs = dict(allowed=allowed, adapters=adapters)
-        models = ModelCache(loader, **kwargs) if loader is not None else ModelCache(**kwargs)
-    running = RunningRequests()
+class Handlers:
+    """What the page's events call, as plain methods: tests call them directly, without a browser.
 
-    # -- handlers (plain functions; the tests call them directly) -------------------
-    def wait_for_model(model, others: int, stop: threading.Event | None = None, tuned: bool = False):
-        """Yields a status line (and ``others`` unchanged outputs) while ``model`` loads; returns it.
+    ``models`` loads and shares the allowed models (tests inject a tiny one);
+    ``running`` holds the stop events of the comparisons in flight.
+    """
+
+    def __init__(self, models: ModelCache | None = None, *, figure_every: int = FIGURE_EVERY,
+                 figure_interval: float = FIGURE_INTERVAL, text_interval: float = TEXT_INTERVAL):
+        self.models = models if models is not None else ModelCache()
+        self.running = RunningRequests()
+        self.figure_every, self.figure_interval, self.text_interval = figure_every, figure_interval, text_interval
+
+    def _wait_for_model(self, model, waiting: Callable[[str], tuple], stop: threading.Event | None = None,
+                        tuned: bool = False):
+        """Yields ``waiting(status line)`` while ``model`` loads; returns it.
 
         ``tuned``: the model with its SkipDecode adapter merged instead. Returns None
         when ``stop`` is set first; a load failure is a gr.Error with its one-line reason.
         """
         try:
-            future = models.tuned_future(model) if tuned else models.future(model)
+            future = self.models.tuned_future(model) if tuned else self.models.future(model)
         except InputError as error:
             raise _user_error(str(error)) from None
         started = time.perf_counter()
@@ -177,99 +212,84 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                 if stop is not None and stop.is_set():
                     return None
                 waited = time.perf_counter() - started
-                yield ((f"**Merging** the SkipDecode adapter into **{model}**… {waited:.0f} s (once)" if tuned else
-                        f"**Loading** model **{model}**… {waited:.0f} s (the embedded model is converted once "
-                        "on first use, about 2 min on a small CPU; later loads take seconds)"),
-                       *(gr.skip(),) * others)
+                yield waiting(f"**Merging** the SkipDecode adapter into **{model}**… {waited:.0f} s (once)" if tuned
+                              else f"**Loading** model **{model}**… {waited:.0f} s (the embedded model is converted "
+                                   "once on first use, about 2 min on a small CPU; later loads take seconds)")
             except (InputError, ModelLoadError) as error:
                 raise _user_error(str(error)) from None
             except Exception as error:  # noqa: BLE001 - a load failure must reach the user as one line
                 log.exception("loading %s failed", model)
                 raise _user_error(f"Could not load model {model!r}: {type(error).__name__}: {error}") from None
 
-    def select_model(model):
+    def select_model(self, model):
         """Load the chosen model (with progress); fit the layer sliders and the tuned toggle to it."""
-        loaded = yield from wait_for_model(model, others=6)
+        loaded = yield from self._wait_for_model(model, ModelOutputs.status_only)
         L = loaded.num_layers
-        has_tuned = models.has_tuned(model)
-        yield (f"**{model}** ready: {L} layers, context {loaded.context_length} tokens, "
-               f"{loaded.device.type} / {str(loaded.dtype).removeprefix('torch.')}"
-               + ("; SkipDecode-tuned weights available" if has_tuned else ""),
-               *layer_slider_updates(L), gr.update(maximum=min(MAX_NEW_TOKENS_UI, loaded.context_length - 1)),
-               gr.update(interactive=True) if has_tuned else gr.update(interactive=False, value=False))
+        has_tuned = self.models.has_tuned(model)
+        yield ModelOutputs(
+            status=(f"**{model}** ready: {L} layers, context {loaded.context_length} tokens, "
+                    f"{loaded.device.type} / {str(loaded.dtype).removeprefix('torch.')}"
+                    + ("; SkipDecode-tuned weights available" if has_tuned else "")),
+            **layer_slider_updates(L),
+            max_new_tokens=gr.update(maximum=min(MAX_NEW_TOKENS_UI, loaded.context_length - 1)),
+            tuned=gr.update(interactive=True) if has_tuned else gr.update(interactive=False, value=False))
 
-    def schedule_preview(model, max_new_tokens, schedule, set_by, b_max, b_min, horizon, warmup, exponent,
-                         target_speedup):
+    def schedule_preview(self, controls: Controls):
         """The SkipDecode budget b(t) the sliders describe; never runs the model."""
-        loaded = models.loaded(model) if isinstance(model, str) else None
+        loaded = self.models.loaded(controls.model) if isinstance(controls.model, str) else None
         if loaded is None:
             return figures.message_figure("The preview appears once the model is loaded.", 220)
         try:
-            sched, steps = preview_schedule(loaded.num_layers, max_new_tokens=max_new_tokens, schedule=schedule,
-                                            set_by=set_by, b_max=b_max, b_min=b_min, horizon=horizon,
-                                            warmup=warmup, exponent=exponent, target_speedup=target_speedup)
+            schedule, steps = preview_schedule(loaded.num_layers, controls)
         except InputError as error:
             return figures.message_figure(str(error), 220)
-        return figures.schedule_figure(sched, loaded.num_layers, steps)
+        return figures.schedule_figure(schedule, loaded.num_layers, steps)
 
-    def schedule_controls(schedule, set_by):
-        """Show the sliders the chosen schedule and mode use."""
-        by_layers = set_by != "target speedup"
-        return (gr.update(visible=by_layers and schedule != "constant"),
-                gr.update(visible=by_layers,
-                          label="layers (constant)" if schedule == "constant" else "min layers (b_min)"),
-                gr.update(visible=by_layers and schedule != "constant"),
-                gr.update(visible=schedule == "power"),
-                gr.update(visible=not by_layers))
-
-    def compare_handler(prompt, model, max_new_tokens, decoding, temperature, seed, skip_on, layer_policy,
-                        schedule, set_by, b_max, b_min, horizon, warmup, exponent, target_speedup, kv_on,
-                        kv_policy, kv_budget_pct, kv_recent_pct, tau_init, tau_end, tuned=False,
-                        request: gr.Request = None):
+    def compare(self, controls: Controls, request: gr.Request = None):
         """Stream the full model and SkipKey side by side, with metrics and both heatmaps."""
-        controls = dict(zip(CONTROLS, (prompt, model, max_new_tokens, decoding, temperature, seed, skip_on,
-                                       layer_policy, schedule, set_by, b_max, b_min, horizon, warmup, exponent,
-                                       target_speedup, kv_on, kv_policy, kv_budget_pct, kv_recent_pct, tau_init,
-                                       tau_end, tuned), strict=True))
+        model = controls.model
         stop = threading.Event()
         session = _session(request)
         if session is not None:
-            running.add(session, stop)
+            self.running.add(session, stop)
         try:
-            loaded = yield from wait_for_model(model, others=10, stop=stop)
+            loaded = yield from self._wait_for_model(model, ComparisonOutputs.status_only, stop=stop)
             if loaded is None:
                 return
             try:
-                req = build_request(loaded.num_layers, **controls)
+                req = build_request(loaded.num_layers, controls)
             except InputError as error:
                 raise _user_error(str(error)) from None
             tuned_model = None
             if req.tuned:  # a model without an adapter is refused here, with the models that have one
-                tuned_model = yield from wait_for_model(model, others=10, stop=stop, tuned=True)
+                tuned_model = yield from self._wait_for_model(model, ComparisonOutputs.status_only, stop=stop,
+                                                              tuned=True)
                 if tuned_model is None:
                     return
-            yield (f"**Generating** with **{model}**: {req.describe()}", "", "", "", "", "", "",
-                   figures.message_figure("Layer usage appears with the first token."),
-                   figures.message_figure("Retained tokens appear once the prompt is processed."),
-                   gr.update(visible=False), None)
+            yield ComparisonOutputs(
+                status=f"**Generating** with **{model}**: {req.describe()}", full_text="", full_metrics="",
+                skip_text="", skip_metrics="", skip_html="", agreement="",
+                layer_plot=figures.message_figure("Layer usage appears with the first token."),
+                retention_plot=figures.message_figure("Retained tokens appear once the prompt is processed."),
+                step=gr.update(visible=False), last_run=None)
             prompt_texts = None
             last_text = last_figure = 0.0
             drawn = 0
             try:
                 for full, sk in compare(loaded, req, stop, tuned=tuned_model):
                     if prompt_texts is None:
-                        ids = Engine(loaded).encode([req.prompt], req.settings.max_new_tokens)[0]
-                        prompt_texts = [loaded.tokenizer.decode([i]) for i in ids]
+                        prompt_texts = prompt_token_texts(loaded, req.prompt)
                     # Fast devices make tokens faster than a browser can draw them: send text at most
                     # every text_interval s, and figures every few tokens, at most every figure_interval s.
                     now, steps = time.perf_counter(), len(sk.events)
-                    redraw = drawn == 0 or (steps - drawn >= figure_every and now - last_figure >= figure_interval)
-                    if not redraw and now - last_text < text_interval:
+                    redraw = drawn == 0 or (steps - drawn >= self.figure_every
+                                            and now - last_figure >= self.figure_interval)
+                    if not redraw and now - last_text < self.text_interval:
                         continue
                     if redraw:
                         drawn, last_figure = steps, now
                     last_text = now
-                    yield _comparison_outputs(full, sk, loaded, prompt_texts, redraw=redraw, final=False)
+                    yield comparison_outputs(full, sk, loaded, prompt_texts, redraw=redraw, final=False)
             except InputError as error:
                 raise _user_error(str(error)) from None
             except Exception as error:  # noqa: BLE001 - one failed request must not take the app down
@@ -277,29 +297,119 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
                 raise _user_error(f"Generation failed: {type(error).__name__}: {error}") from None
             if not full.events:
                 return
-            final = _comparison_outputs(full, sk, loaded, prompt_texts, redraw=True, final=True)
             word = "Stopped" if sk.stopped else "Done"
-            yield (f"**{word}**: {len(full.events)} + {len(sk.events)} tokens. {req.describe()}", *final[1:])
+            yield comparison_outputs(full, sk, loaded, prompt_texts, redraw=True, final=True)._replace(
+                status=f"**{word}**: {len(full.events)} + {len(sk.events)} tokens. {req.describe()}")
         finally:
             stop.set()
             if session is not None:
-                running.remove(session, stop)
+                self.running.remove(session, stop)
 
-    def retention_at_step(state, step):
-        """The retention heatmap after any step of the last run (the slider under it)."""
-        if not state:
-            return figures.message_figure("Generate first; then pick a step here.")
-        trace, prompt_texts = state
-        wanted = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else len(trace.events) - 1
-        return figures.retention_figure(trace, recorded_step(trace, wanted), position_texts=prompt_texts)
-
-    def stop_handler(request: gr.Request = None):
+    def stop(self, request: gr.Request = None):
         """Ends both streams of this browser session's running comparison at once."""
         session = _session(request)
-        stopped = running.stop(session) if session is not None else 0
+        stopped = self.running.stop(session) if session is not None else 0
         return "**Stopped.**" if stopped else gr.skip()
 
-    # -- page ------------------------------------------------------------------------
+
+def schedule_controls(schedule, set_by):
+    """Show the sliders the chosen schedule and mode use (b_max, b_min, horizon, exponent, target speedup)."""
+    by_layers = set_by != "target speedup"
+    return (gr.update(visible=by_layers and schedule != "constant"),
+            gr.update(visible=by_layers,
+                      label="layers (constant)" if schedule == "constant" else "min layers (b_min)"),
+            gr.update(visible=by_layers and schedule != "constant"),
+            gr.update(visible=schedule == "power"),
+            gr.update(visible=not by_layers))
+
+
+def retention_at_step(state, step):
+    """The retention heatmap after any step of the last run (the slider under it)."""
+    if not state:
+        return figures.message_figure("Generate first; then pick a step here.")
+    trace, prompt_texts = state
+    wanted = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else len(trace.events) - 1
+    return figures.retention_figure(trace, recorded_step(trace, wanted), position_texts=prompt_texts)
+
+
+def comparison_outputs(full, sk, loaded, prompt_texts, *, redraw: bool, final: bool) -> ComparisonOutputs:
+    """The outputs for the two traces so far (figures only when ``redraw``); the status is left as it is."""
+    skip = gr.skip()
+    if final and sk.events:
+        last = len(sk.events) - 1
+        step_update = gr.update(visible=True, minimum=0, maximum=max(1, last), value=last, interactive=last > 0)
+        state = (thin_history(sk), prompt_texts)
+    else:
+        step_update, state = skip, skip
+    return ComparisonOutputs(
+        status=skip, full_text=full.text(), full_metrics=side_metrics(full).markdown(), skip_text=sk.text(),
+        skip_metrics=side_metrics(sk, full).markdown(), skip_html=figures.layers_html(sk),
+        agreement=agreement_summary(full, sk, loaded.tokenizer, final=final),
+        layer_plot=figures.layer_usage_figure(sk) if redraw else skip,
+        retention_plot=figures.retention_figure(sk, position_texts=prompt_texts) if redraw else skip,
+        step=step_update, last_run=state)
+
+
+# -- the page ----------------------------------------------------------------------------------
+COMPONENTS = {"textbox": gr.Textbox, "dropdown": gr.Dropdown, "number": gr.Number, "slider": gr.Slider,
+              "radio": gr.Radio, "checkbox": gr.Checkbox}
+
+
+def control_panel(panel: str, overrides: dict[str, dict]) -> dict[str, gr.components.Component]:
+    """The components of one panel of ``Controls``, row by row, each from its declaration."""
+    made = {}
+    names = [name for name, control in CONTROLS.items() if control.panel == panel]
+    for row in sorted({CONTROLS[name].row for name in names}):
+        in_row = [name for name in names if CONTROLS[name].row == row]
+        with gr.Row() if len(in_row) > 1 else contextlib.nullcontext():
+            for name in in_row:
+                control = CONTROLS[name]
+                options = {"value": Controls.__dataclass_fields__[name].default, **control.options,
+                           **overrides.get(name, {})}
+                if "choices" in options:
+                    options["choices"] = list(options["choices"])
+                made[name] = COMPONENTS[control.kind](**options)
+    return made
+
+
+def controls_function(method: Callable, names: tuple[str, ...], *, request: bool = False) -> Callable:
+    """``method(Controls[, request])`` as a function of the controls ``names``, one argument each.
+
+    Gradio passes one value per input component and names the API's parameters
+    after the function's signature, so the signature is built from the same names.
+    """
+    defaults = Controls()
+    params = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=getattr(defaults, name))
+              for name in names]
+    if request:
+        params.append(inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                        annotation=gr.Request))
+    signature = inspect.Signature(params)
+
+    def arguments(args, kwargs) -> tuple:
+        values = signature.bind(*args, **kwargs).arguments
+        req = values.pop("request", None)
+        return (Controls(**values), req) if request else (Controls(**values),)
+
+    if inspect.isgeneratorfunction(method):
+        def function(*args, **kwargs):
+            return (yield from method(*arguments(args, kwargs)))
+    else:
+        def function(*args, **kwargs):
+            return method(*arguments(args, kwargs))
+    function.__name__ = method.__name__
+    function.__doc__ = method.__doc__
+    function.__signature__ = signature
+    function.__annotations__ = {"request": gr.Request} if request else {}
+    return function
+
+
+def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CONCURRENCY,
+               max_size: int = QUEUE_SIZE) -> gr.Blocks:
+    """The page: the ``Controls`` laid out by panel, wired to ``handlers`` (default: the allowed models)."""
+    handlers = handlers if handlers is not None else Handlers()
+    models = handlers.models
+    overrides = {"model": dict(choices=list(models.allowed), value=models.default)}
     with gr.Blocks(title="SkipKey: faster decoding, and why") as demo:
         gr.Markdown("# SkipKey\nThe full model and SkipKey decode the same prompt, interleaved step by step on "
                     "one device. **SkipDecode** runs fewer layers per token (early exit, nested layer sets); "
@@ -308,60 +418,21 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
         status = gr.Markdown("Loading the model…", label="status", elem_id="status")
         with gr.Row():
             with gr.Column(scale=3):
-                prompt = gr.Textbox(label="Prompt", lines=4, max_lines=12, value=EXAMPLES[0][0], elem_id="prompt")
+                c = control_panel("prompt", overrides)
                 with gr.Row():
                     generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
             with gr.Column(scale=2):
-                model = gr.Dropdown(list(models.allowed), value=models.default, label="Model",
-                                    info="the embedded Gemma 3 270M, or one from SKIPKEY_MODELS")
-                with gr.Row():
-                    max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS_UI, value=default_new_tokens, step=1,
-                                               label="max new tokens", elem_id="max_new_tokens")
-                    seed = gr.Number(0, label="seed", precision=0, minimum=0)
-                with gr.Row():
-                    decoding = gr.Radio(list(DECODING), value="greedy", label="decoding")
-                    temperature = gr.Slider(0.05, 2.0, value=0.8, step=0.05, label="temperature (sampling)")
+                c |= control_panel("run", overrides)
         with gr.Row():
             with gr.Column():
                 with gr.Accordion("SkipDecode: fewer layers per token", open=True):
-                    with gr.Row():
-                        skip_on = gr.Checkbox(True, label="on")
-                        layer_policy = gr.Radio(list(LAYER_POLICIES), value="importance", label="layers",
-                                                info="top = the paper's; importance = training-free ranking")
-                    tuned = gr.Checkbox(False, label="tuned weights", elem_id="tuned", interactive=False,
-                                        info="SkipKey's side runs the model with its SkipDecode LoRA adapter "
-                                             "(trained with the top policy in place; embedded model only)")
-                    with gr.Row():
-                        schedule = gr.Radio(list(SCHEDULE_KINDS), value="linear", label="schedule")
-                        set_by = gr.Radio(list(SET_BY), value="layers", label="set by")
-                    with gr.Row():
-                        b_max = gr.Slider(2, 64, value=18, step=1, label="max layers (b_max)", elem_id="b_max")
-                        b_min = gr.Slider(2, 64, value=12, step=1, label="min layers (b_min)", elem_id="b_min")
-                    with gr.Row():
-                        horizon = gr.Slider(0, MAX_NEW_TOKENS_UI, value=default_new_tokens, step=1,
-                                            label="horizon T (steps)")
-                        warmup = gr.Slider(0, 63, value=1, step=1, label="warm-up layers")
-                    with gr.Row():
-                        exponent = gr.Slider(0.25, 4.0, value=2.0, step=0.25, label="power-law exponent",
-                                             visible=False)
-                        target_speedup = gr.Slider(1.0, 32.0, value=1.5, step=0.05, label="target speedup",
-                                                   visible=False)
+                    c |= control_panel("skip", overrides)
                     preview = gr.Plot(label="schedule preview", elem_id="schedule_preview")
             with gr.Column():
                 with gr.Accordion("KV cache: keep a budget of key tokens", open=True):
-                    with gr.Row():
-                        kv_on = gr.Checkbox(False, label="on",
-                                            info="the budget is a share of the prompt: for long prompts")
-                        kv_policy = gr.Radio(KV_POLICY_CHOICES, value="keyformer", label="policy")
-                    with gr.Row():
-                        kv_budget_pct = gr.Slider(1, 100, value=50, step=1, label="KV budget (% of prompt)")
-                        kv_recent_pct = gr.Slider(0, 100, value=30, step=1, label="recent window (% of budget)")
-                    with gr.Row():
-                        tau_init = gr.Slider(0.1, 5.0, value=1.0, step=0.1, label="tau init (Keyformer)")
-                        tau_end = gr.Slider(0.1, 5.0, value=2.0, step=0.1, label="tau end (Keyformer)")
-                gr.Examples(EXAMPLES, inputs=[prompt, max_new_tokens, kv_on, kv_budget_pct, kv_recent_pct],
-                            example_labels=EXAMPLE_LABELS,
+                    c |= control_panel("kv", overrides)
+                gr.Examples(EXAMPLES, inputs=[c[name] for name in EXAMPLE_INPUTS], example_labels=EXAMPLE_LABELS,
                             label="Example prompts")
         with gr.Row(equal_height=False):
             with gr.Column():
@@ -378,62 +449,41 @@ def build_demo(loader: Callable | None = None, *, allowed: tuple[str, ...] | Non
         retention_plot = gr.Plot(label="Retained tokens", elem_id="retention_plot")
         step = gr.Slider(0, 1, value=1, step=1, label="retention after step", visible=False, elem_id="step")
         last_run = gr.State(None, time_to_live=STATE_TTL_S)  # this session's last run, for the step slider
+        assert set(c) == set(CONTROLS), f"controls without a panel: {set(CONTROLS) - set(c)}"
 
-        by_name = dict(prompt=prompt, model=model, max_new_tokens=max_new_tokens, decoding=decoding,
-                       temperature=temperature, seed=seed, skip_on=skip_on, layer_policy=layer_policy,
-                       schedule=schedule, set_by=set_by, b_max=b_max, b_min=b_min, horizon=horizon, warmup=warmup,
-                       exponent=exponent, target_speedup=target_speedup, kv_on=kv_on, kv_policy=kv_policy,
-                       kv_budget_pct=kv_budget_pct, kv_recent_pct=kv_recent_pct, tau_init=tau_init, tau_end=tau_end,
-                       tuned=tuned)
-        outputs = [status, full_text, full_metrics, skip_text, skip_metrics, skip_html, agreement_md, layer_plot,
-                   retention_plot, step, last_run]
+        outputs = ComparisonOutputs(status, full_text, full_metrics, skip_text, skip_metrics, skip_html,
+                                    agreement_md, layer_plot, retention_plot, step, last_run)
         # preprocess=False: raw values reach the one edge (build_request), which checks them all,
         # also for API clients whose values no slider bounds.
-        run = generate_btn.click(gpu(compare_handler), [by_name[n] for n in CONTROLS], outputs, api_name="compare",
+        run = generate_btn.click(gpu(controls_function(handlers.compare, tuple(CONTROLS), request=True)),
+                                 [c[name] for name in CONTROLS], list(outputs), api_name="compare",
                                  preprocess=False, concurrency_id="model", concurrency_limit=concurrency_limit,
                                  show_progress="minimal")
-        stop_btn.click(stop_handler, None, status, cancels=[run], queue=False, api_name="stop",
+        stop_btn.click(handlers.stop, None, status, cancels=[run], queue=False, api_name="stop",
                        api_visibility="undocumented")
-        schedule_inputs = [by_name[n] for n in SCHEDULE_CONTROLS]
-        model_outputs = [status, b_max, b_min, warmup, target_speedup, max_new_tokens, tuned]
-        (model.change(select_model, model, model_outputs, api_name="select_model", concurrency_id="model",
-                      concurrency_limit=concurrency_limit, preprocess=False, show_progress="hidden")
-         .then(schedule_preview, schedule_inputs, preview, api_name="preview_after_model_change",
+        preview_fn = controls_function(handlers.schedule_preview, PREVIEW_CONTROLS)
+        preview_inputs = [c[name] for name in PREVIEW_CONTROLS]
+        model_outputs = list(ModelOutputs(status, *(c[name] for name in ModelOutputs._fields[1:])))
+        (c["model"].change(handlers.select_model, c["model"], model_outputs, api_name="select_model",
+                           concurrency_id="model", concurrency_limit=concurrency_limit, preprocess=False,
+                           show_progress="hidden")
+         .then(preview_fn, preview_inputs, preview, api_name="preview_after_model_change",
                api_visibility="private", preprocess=False))
-        (demo.load(select_model, model, model_outputs, api_name="load_default_model", api_visibility="private",
-                   preprocess=False, show_progress="hidden")
-         .then(schedule_preview, schedule_inputs, preview, api_name="preview_after_load",
+        (demo.load(handlers.select_model, c["model"], model_outputs, api_name="load_default_model",
+                   api_visibility="private", preprocess=False, show_progress="hidden")
+         .then(preview_fn, preview_inputs, preview, api_name="preview_after_load",
                api_visibility="private", preprocess=False))
-        gr.on([c.change for c in schedule_inputs[1:]], schedule_preview, schedule_inputs, preview,
-              api_name="schedule_preview", preprocess=False, queue=False, show_progress="hidden",
-              trigger_mode="always_last")
-        gr.on([schedule.change, set_by.change], schedule_controls, [schedule, set_by],
-              [b_max, b_min, horizon, exponent, target_speedup], queue=False, api_visibility="private")
+        gr.on([component.change for name, component in zip(PREVIEW_CONTROLS, preview_inputs) if name != "model"],
+              preview_fn, preview_inputs, preview, api_name="schedule_preview", preprocess=False, queue=False,
+              show_progress="hidden", trigger_mode="always_last")
+        gr.on([c["schedule"].change, c["set_by"].change], schedule_controls, [c["schedule"], c["set_by"]],
+              [c[name] for name in ("b_max", "b_min", "horizon", "exponent", "target_speedup")], queue=False,
+              api_visibility="private")
         step.release(retention_at_step, [last_run, step], retention_plot, api_visibility="private",
                      show_progress="hidden")
 
     demo.queue(max_size=max_size, default_concurrency_limit=concurrency_limit)
-    demo.handlers = dict(compare=compare_handler, select_model=select_model, schedule_preview=schedule_preview,
-                         schedule_controls=schedule_controls, retention_at_step=retention_at_step,
-                         stop=stop_handler)
-    demo.models, demo.running = models, running
     return demo
-
-
-def _comparison_outputs(full, sk, loaded, prompt_texts, *, redraw: bool, final: bool) -> tuple:
-    """Values for the comparison's outputs from the two traces (figures only when ``redraw``)."""
-    skip = gr.skip()
-    layer_fig = figures.layer_usage_figure(sk) if redraw else skip
-    retention_fig = figures.retention_figure(sk, position_texts=prompt_texts) if redraw else skip
-    if final and sk.events:
-        last = len(sk.events) - 1
-        step_update = gr.update(visible=True, minimum=0, maximum=max(1, last), value=last, interactive=last > 0)
-        state = (thin_history(sk), prompt_texts)
-    else:
-        step_update, state = skip, skip
-    return (skip, full.text(), side_metrics(full).markdown(), sk.text(), side_metrics(sk, full).markdown(),
-            figures.layers_html(sk), agreement_summary(full, sk, loaded.tokenizer, final=final), layer_fig,
-            retention_fig, step_update, state)
 
 
 def launch(demo: gr.Blocks, **kwargs):
@@ -450,7 +500,7 @@ def main() -> None:
     logging.basicConfig()  # warnings and errors; request failures are logged with their traceback
     models = ModelCache()
     models.future(models.default)  # start loading now: the first request should not wait from scratch
-    launch(build_demo(models=models))
+    launch(build_demo(Handlers(models)))
 
 
 if __name__ == "__main__":

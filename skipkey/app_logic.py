@@ -6,8 +6,11 @@ Python, so tests call it directly with a tiny model.
 * ``ModelCache`` loads each allowed model once (in the background, so the page
   can show progress) and hands the same ``LoadedModel`` to every request; the
   same for a model's SkipDecode-tuned copy, where an adapter was trained for it.
-* ``build_request`` is the edge: raw control values (from the page or from any
-  API client) become one frozen ``ComparisonRequest``, or an ``InputError`` that
+* ``Controls`` declares the page's controls once: each field is a control, in
+  the order of the ``/compare`` API's parameters, with how the page shows it.
+  ``app.py`` renders the components and names the API from it, tests build it.
+* ``build_request`` is the edge: raw ``Controls`` (from the page or from any API
+  client) become one frozen ``ComparisonRequest``, or an ``InputError`` that
   says what is allowed. The ranges are the library's own checks.
 * ``compare`` runs the full model and SkipKey interleaved step by step on one
   device, each side timed by its own steps only, and yields both traces.
@@ -21,22 +24,31 @@ import math
 import os
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from types import MappingProxyType
+from typing import Callable, Iterator, Mapping, Sequence
 
-from skipkey.config import GenerationSettings
+from skipkey.architectures import get_architecture
+from skipkey.config import GenerationSettings, decode_steps
 from skipkey.engine import Engine
 from skipkey.errors import InputError
-from skipkey.kv_policies import KVPolicy, make_kv_policy
+from skipkey.kv_policies import KV_POLICIES, KVPolicy, make_kv_policy, policy_options
 from skipkey.loading import EMBEDDED, LoadedModel
-from skipkey.metrics import agreement, compute, kv_share, memory, rouge_l, speed
-from skipkey.skipdecode import SkipDecode, make_skipdecode
+from skipkey.lora import load_tuned
+from skipkey.metrics import Compute, Speed, agreement, compute, kv_share, memory, rouge_l, speed
+from skipkey.schedules import SCHEDULE_KINDS
+from skipkey.skipdecode import LAYER_POLICIES, SkipDecode, make_skipdecode
 from skipkey.trace import Trace
 
 MODELS_ENV = "SKIPKEY_MODELS"
 DECODING = ("greedy", "sample")
 SET_BY = ("layers", "target speedup")
+# The KV registry's policies, newest method first ("full" is the left column, not a choice).
+KV_CHOICES = tuple(name for name in reversed(KV_POLICIES) if name != "full")
+DEFAULT_PROMPT = "The three primary colours of light are"
+DEFAULT_NEW_TOKENS = 48  # light enough that the embedded model answers within seconds on a small CPU
+MAX_NEW_TOKENS_UI = 512
 
 Loader = Callable[[str], LoadedModel]
 Tuner = Callable[[LoadedModel, Path], LoadedModel]
@@ -62,12 +74,6 @@ def default_loader(name: str) -> LoadedModel:
     return load_model(name, progress=True)
 
 
-def default_tuner(loaded: LoadedModel, adapter_dir: Path) -> LoadedModel:
-    from skipkey.finetune import load_tuned
-
-    return load_tuned(loaded, adapter_dir)
-
-
 class ModelCache:
     """Each allowed model is loaded once, on a background thread, and then shared.
 
@@ -78,7 +84,7 @@ class ModelCache:
     """
 
     def __init__(self, loader: Loader = default_loader, allowed: Sequence[str] | None = None,
-                 adapters: dict[str, Path] | None = None, tuner: Tuner = default_tuner):
+                 adapters: dict[str, Path] | None = None, tuner: Tuner = load_tuned):
         self._loader, self._tuner = loader, tuner
         self.allowed = tuple(allowed) if allowed is not None else allowed_models()
         if not self.allowed:
@@ -141,11 +147,102 @@ class ModelCache:
                 loaded = self._tuner(self.future(name).result(), self.adapters[name])
             else:
                 loaded = self._loader(name)
-            Engine(loaded)  # set the model up for the engine once, before requests share it
+            get_architecture(loaded.model)  # registers SkipKey's attention once, before requests share it
         except BaseException as error:  # noqa: BLE001 - handed to every waiting request
             future.set_exception(error)
         else:
             future.set_result(loaded)
+
+
+# -- the page's controls, declared once -------------------------------------------------
+@dataclass(frozen=True)
+class Control:
+    """How one of the ``Controls`` appears on the page.
+
+    ``kind`` names the Gradio component (``textbox``, ``dropdown``, ``number``,
+    ``slider``, ``radio``, ``checkbox``) and ``options`` are its keyword arguments
+    (label, range, choices, ...). ``panel`` is the part of the page it sits in
+    (``prompt``, ``run``, ``skip``, ``kv``); controls of a panel with the same
+    ``row`` sit side by side, rows in increasing order. ``preview``: the schedule
+    preview redraws when it changes.
+    """
+
+    kind: str
+    panel: str
+    row: int
+    options: Mapping = field(default_factory=lambda: MappingProxyType({}))
+    preview: bool = False
+
+
+def _control(default, kind: str, panel: str, row: int, *, preview: bool = False, **options):
+    return field(default=default, metadata={"control": Control(kind, panel, row, MappingProxyType(options), preview)})
+
+
+@dataclass(frozen=True)
+class Controls:
+    """The raw values of the page's controls, which are also ``/compare``'s parameters, in this order.
+
+    Raw: as the page or an API client sends them (6.0 for 6, a string for a
+    number); ``build_request`` checks them. Defaults are the page's. To add a
+    control, add a field here (it appears on the page and in the API) and read
+    it in ``build_request``.
+    """
+
+    prompt: str = _control(DEFAULT_PROMPT, "textbox", "prompt", 0, label="Prompt", lines=4, max_lines=12,
+                           elem_id="prompt")
+    model: str = _control(EMBEDDED, "dropdown", "run", 0, preview=True, label="Model",
+                          info="the embedded Gemma 3 270M, or one from SKIPKEY_MODELS")
+    max_new_tokens: int = _control(DEFAULT_NEW_TOKENS, "slider", "run", 1, preview=True, minimum=1,
+                                   maximum=MAX_NEW_TOKENS_UI, step=1, label="max new tokens",
+                                   elem_id="max_new_tokens")
+    decoding: str = _control("greedy", "radio", "run", 2, choices=DECODING, label="decoding")
+    temperature: float = _control(0.8, "slider", "run", 2, minimum=0.05, maximum=2.0, step=0.05,
+                                  label="temperature (sampling)")
+    seed: int = _control(0, "number", "run", 1, label="seed", precision=0, minimum=0)
+    skip_on: bool = _control(True, "checkbox", "skip", 0, label="on")
+    layer_policy: str = _control("importance", "radio", "skip", 0, choices=LAYER_POLICIES, label="layers",
+                                 info="top = the paper's; importance = training-free ranking")
+    schedule: str = _control("linear", "radio", "skip", 2, preview=True, choices=SCHEDULE_KINDS, label="schedule")
+    set_by: str = _control("layers", "radio", "skip", 2, preview=True, choices=SET_BY, label="set by")
+    b_max: int = _control(18, "slider", "skip", 3, preview=True, minimum=2, maximum=64, step=1,
+                          label="max layers (b_max)", elem_id="b_max")
+    b_min: int = _control(12, "slider", "skip", 3, preview=True, minimum=2, maximum=64, step=1,
+                          label="min layers (b_min)", elem_id="b_min")
+    horizon: int = _control(DEFAULT_NEW_TOKENS, "slider", "skip", 4, preview=True, minimum=0,
+                            maximum=MAX_NEW_TOKENS_UI, step=1, label="horizon T (steps)")
+    warmup: int = _control(1, "slider", "skip", 4, preview=True, minimum=0, maximum=63, step=1,
+                           label="warm-up layers")
+    exponent: float = _control(2.0, "slider", "skip", 5, preview=True, minimum=0.25, maximum=4.0, step=0.25,
+                               label="power-law exponent", visible=False)
+    target_speedup: float = _control(1.5, "slider", "skip", 5, preview=True, minimum=1.0, maximum=32.0, step=0.05,
+                                     label="target speedup", visible=False)
+    kv_on: bool = _control(False, "checkbox", "kv", 0, label="on",
+                           info="the budget is a share of the prompt: for long prompts")
+    kv_policy: str = _control("keyformer", "radio", "kv", 0, choices=KV_CHOICES, label="policy")
+    kv_budget_pct: float = _control(50, "slider", "kv", 1, minimum=1, maximum=100, step=1,
+                                    label="KV budget (% of prompt)")
+    kv_recent_pct: float = _control(30, "slider", "kv", 1, minimum=0, maximum=100, step=1,
+                                    label="recent window (% of budget)")
+    tau_init: float = _control(1.0, "slider", "kv", 2, minimum=0.1, maximum=5.0, step=0.1,
+                               label="tau init (Keyformer)")
+    tau_end: float = _control(2.0, "slider", "kv", 2, minimum=0.1, maximum=5.0, step=0.1,
+                              label="tau end (Keyformer)")
+    kv_observe: int = _control(0, "slider", "kv", 3, minimum=0, maximum=512, step=1, label="observe W",
+                               info="h2o/keyformer/snapkv: score the prompt from its last W queries only, where the "
+                                    "question is (SnapKV's observation window); 0 = every query, the paper")
+    kv_pool: int = _control(1, "slider", "kv", 3, minimum=1, maximum=15, step=2, label="pool K",
+                            info="h2o/keyformer/snapkv: max-pool prompt scores over K neighbouring tokens, so a "
+                                 "number or a name is kept or dropped whole; 1 = off")
+    kv_normalize: bool = _control(False, "checkbox", "kv", 3, label="normalize",
+                                  info="h2o/keyformer: divide each score by how many queries could see the token, "
+                                       "so early tokens do not win just by being early")
+    tuned: bool = _control(False, "checkbox", "skip", 1, label="tuned weights", elem_id="tuned", interactive=False,
+                           info="SkipKey's side runs the model with its SkipDecode LoRA adapter "
+                                "(trained with the top policy in place; embedded model only)")
+
+
+CONTROLS: Mapping[str, Control] = MappingProxyType({f.name: f.metadata["control"] for f in fields(Controls)})
+PREVIEW_CONTROLS = tuple(name for name, control in CONTROLS.items() if control.preview)
 
 
 @dataclass(frozen=True)
@@ -203,10 +300,7 @@ def _percent(value):
     return value
 
 
-def build_request(num_layers: int, *, model: str, prompt, max_new_tokens, decoding, temperature, seed,
-                  skip_on, layer_policy, schedule, set_by, b_max, b_min, horizon, warmup, exponent,
-                  target_speedup, kv_on, kv_policy, kv_budget_pct, kv_recent_pct, tau_init,
-                  tau_end, tuned=False) -> ComparisonRequest:
+def build_request(num_layers: int, controls: Controls) -> ComparisonRequest:
     """The edge: raw control values -> a frozen ``ComparisonRequest``, or an ``InputError``.
 
     Ranges are checked by the library (``GenerationSettings``, ``make_skipdecode``,
@@ -214,44 +308,56 @@ def build_request(num_layers: int, *, model: str, prompt, max_new_tokens, decodi
     layers/target) and the unit conversions (% -> fraction, 6.0 -> 6).
     For a constant schedule ``b_min`` is its number of layers.
     """
-    if not isinstance(prompt, str):
-        raise InputError(f"prompt must be text, got {type(prompt).__name__}")
-    sample = _choice("decoding", decoding, DECODING) == "sample"
-    seed = _whole(_number(seed))
-    settings = GenerationSettings(max_new_tokens=_whole(_number(max_new_tokens)), do_sample=sample,
-                                  temperature=_number(temperature), seed=seed)
+    c = controls
+    if not isinstance(c.prompt, str):
+        raise InputError(f"prompt must be text, got {type(c.prompt).__name__}")
+    sample = _choice("decoding", c.decoding, DECODING) == "sample"
+    seed = _whole(_number(c.seed))
+    settings = GenerationSettings(max_new_tokens=_whole(_number(c.max_new_tokens)), do_sample=sample,
+                                  temperature=_number(c.temperature), seed=seed)
     skip = None
-    if _flag("SkipDecode on/off", skip_on):
-        gen_len = max(1, settings.max_new_tokens - 1)
-        common = dict(kind=schedule, policy=layer_policy, warmup=_whole(_number(warmup)),
-                      exponent=_number(exponent))
-        if _choice("set SkipDecode by", set_by, SET_BY) == "target speedup":
-            skip = make_skipdecode(num_layers, gen_len, target=_number(target_speedup), **common)
-        elif schedule == "constant":
-            skip = make_skipdecode(num_layers, gen_len, layers=_whole(_number(b_min)), **common)
+    if _flag("SkipDecode on/off", c.skip_on):
+        gen_len = decode_steps(settings.max_new_tokens)
+        common = dict(kind=c.schedule, policy=c.layer_policy, warmup=_whole(_number(c.warmup)),
+                      exponent=_number(c.exponent))
+        if _choice("set SkipDecode by", c.set_by, SET_BY) == "target speedup":
+            skip = make_skipdecode(num_layers, gen_len, target=_number(c.target_speedup), **common)
+        elif c.schedule == "constant":
+            skip = make_skipdecode(num_layers, gen_len, layers=_whole(_number(c.b_min)), **common)
         else:
-            skip = make_skipdecode(num_layers, gen_len, b_max=_whole(_number(b_max)), b_min=_whole(_number(b_min)),
-                                   horizon=_whole(_number(horizon)), **common)
+            skip = make_skipdecode(num_layers, gen_len, b_max=_whole(_number(c.b_max)),
+                                   b_min=_whole(_number(c.b_min)), horizon=_whole(_number(c.horizon)), **common)
     kv = None
-    if _flag("KV eviction on/off", kv_on):
+    if _flag("KV eviction on/off", c.kv_on):
         try:
-            kv = make_kv_policy(kv_policy, _percent(kv_budget_pct), _percent(kv_recent_pct),
-                                tau_init=_number(tau_init), tau_end=_number(tau_end), seed=seed)
+            options = dict(tau_init=_number(c.tau_init), tau_end=_number(c.tau_end),
+                           observe=_whole(_number(c.kv_observe)), pool=_whole(_number(c.kv_pool)),
+                           normalize=_flag("normalize", c.kv_normalize))
+            # Each method takes its own options; the page shows them all.
+            known = policy_options(c.kv_policy) if c.kv_policy in KV_POLICIES else ()
+            kv = make_kv_policy(c.kv_policy, _percent(c.kv_budget_pct), _percent(c.kv_recent_pct), seed=seed,
+                                **{k: v for k, v in options.items() if k in known})
         except InputError as error:
             raise InputError(f"{error} (the app's KV budget and recent window are in %: 50 means 0.5)") from None
-    return ComparisonRequest(model=model, prompt=prompt, settings=settings, skip=skip, kv=kv,
-                             tuned=_flag("tuned weights on/off", tuned))
+    return ComparisonRequest(model=c.model, prompt=c.prompt, settings=settings, skip=skip, kv=kv,
+                             tuned=_flag("tuned weights on/off", c.tuned))
 
 
-def preview_schedule(num_layers: int, *, max_new_tokens, schedule, set_by, b_max, b_min, horizon, warmup,
-                     exponent, target_speedup):
-    """The schedule the controls describe and its decode steps, through the same edge as a run."""
-    request = build_request(
-        num_layers, model="", prompt="", max_new_tokens=max_new_tokens, decoding="greedy", temperature=1.0,
-        seed=0, skip_on=True, layer_policy="top", schedule=schedule, set_by=set_by, b_max=b_max, b_min=b_min,
-        horizon=horizon, warmup=warmup, exponent=exponent, target_speedup=target_speedup, kv_on=False,
-        kv_policy="", kv_budget_pct=None, kv_recent_pct=None, tau_init=None, tau_end=None)
-    return request.skip.schedule, max(1, request.settings.max_new_tokens - 1)
+def preview_schedule(num_layers: int, controls: Controls):
+    """The schedule the controls describe and its decode steps, through the same edge as a run.
+
+    Only the ``preview`` controls count: the rest are set so that nothing else is checked.
+    """
+    request = build_request(num_layers, dataclasses.replace(
+        controls, prompt="", decoding="greedy", temperature=1.0, seed=0, skip_on=True, layer_policy="top",
+        kv_on=False, tuned=False))
+    return request.skip.schedule, decode_steps(request.settings.max_new_tokens)
+
+
+def prompt_token_texts(loaded: LoadedModel, prompt: str) -> list[str]:
+    """Each prompt token as text, as the engine encodes the prompt (the retention heatmap's labels)."""
+    ids = loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    return [loaded.tokenizer.decode([i]) for i in ids]
 
 
 FULL_LABEL, SKIPKEY_LABEL = "Full model", "SkipKey"
@@ -330,26 +436,24 @@ def _fmt(value: float | None, pattern: str, missing: str = "–") -> str:
 
 @dataclass(frozen=True)
 class SideMetrics:
-    """The numbers under one column."""
+    """The numbers under one column: the metrics' records, plus the KV share and the measured speedup."""
 
-    tokens_per_s: float
-    ms_per_token: float
-    ttft_s: float
+    speed: Speed
     kv_mb: float
     kv_percent: float
-    mean_layers: float | None = None
-    nominal_speedup: float | None = None
+    compute: Compute | None = None  # SkipKey's side only
     measured_speedup: float | None = None
 
     def markdown(self) -> str:
+        s = self.speed
         lines = [
-            f"**{_fmt(self.tokens_per_s, '{:.1f}')}** tokens/s · **{_fmt(self.ms_per_token, '{:.0f}')}** ms/token "
-            f"· first token **{_fmt(self.ttft_s, '{:.2f}')}** s",
+            f"**{_fmt(s.tokens_per_s, '{:.1f}')}** tokens/s · **{_fmt(s.ms_per_token_p50, '{:.0f}')}** ms/token "
+            f"· first token **{_fmt(s.ttft_s, '{:.2f}')}** s",
             f"KV cache **{_fmt(self.kv_mb, '{:.2f}')}** MB ({_fmt(self.kv_percent, '{:.0f}')}% of full)",
         ]
-        if self.mean_layers is not None:
-            lines.append(f"**{_fmt(self.mean_layers, '{:.1f}')}** layers/token · nominal speedup "
-                         f"**{_fmt(self.nominal_speedup, '{:.2f}')}x** · measured "
+        if self.compute is not None:
+            lines.append(f"**{_fmt(self.compute.mean_layers, '{:.1f}')}** layers/token · nominal speedup "
+                         f"**{_fmt(self.compute.nominal_speedup, '{:.2f}')}x** · measured "
                          f"**{_fmt(self.measured_speedup, '{:.2f}')}x**")
         return "  \n".join(lines)
 
@@ -359,15 +463,12 @@ def side_metrics(trace: Trace, reference: Trace | None = None) -> SideMetrics:
     timing = speed(trace)
     held = memory(trace).kv_bytes_final
     if reference is None:
-        return SideMetrics(timing.tokens_per_s, timing.ms_per_token_p50, timing.ttft_s, held / 1e6,
-                           100.0 if trace.events else float("nan"))
+        return SideMetrics(timing, held / 1e6, 100.0 if trace.events else float("nan"))
     ref_timing = speed(reference)
-    work = compute(trace)
     measured = (ref_timing.ms_per_token_p50 / timing.ms_per_token_p50
                 if timing.decode_tokens and ref_timing.decode_tokens else float("nan"))
-    return SideMetrics(timing.tokens_per_s, timing.ms_per_token_p50, timing.ttft_s, held / 1e6,
-                       100.0 * kv_share(trace, reference), mean_layers=work.mean_layers,
-                       nominal_speedup=work.nominal_speedup, measured_speedup=measured)
+    return SideMetrics(timing, held / 1e6, 100.0 * kv_share(trace, reference), compute=compute(trace),
+                       measured_speedup=measured)
 
 
 def agreement_summary(full: Trace, skipkey: Trace, tokenizer=None, final: bool = False) -> str:

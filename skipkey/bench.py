@@ -17,7 +17,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
-from skipkey.metrics import compute, memory, percentile, speed, step_cost
+from skipkey.metrics import Compute, Speed, StepCost, compute, memory, speed, step_cost
 from skipkey.trace import Trace
 
 FILLER = ("The committee met on a grey morning to review the harbour's accounts. Ships had come and gone, "
@@ -49,16 +49,19 @@ class _TimingStreamer(BaseStreamer):
 
 @dataclass
 class Sample:
-    ttft_s: float
-    tokens_per_s: float
-    ms_p50: float
-    ms_p90: float
+    """One timed run of one variant: the metrics' own records (the engine's only), flattened for JSON."""
+
+    speed: Speed
     new_tokens: int
     kv_bytes: int | None = None
-    nominal_speedup: float | None = None
-    compute_ratio: float | None = None
-    ms_per_layer: float | None = None  # fitted over the run's steps (skipping schedules only)
-    fixed_ms: float | None = None
+    compute: Compute | None = None
+    cost: StepCost | None = None  # fitted over the run's steps (skipping schedules only)
+
+    def as_dict(self) -> dict:
+        return {**self.speed.as_dict(), "new_tokens": self.new_tokens, "kv_bytes": self.kv_bytes,
+                "mean_layers": None, "nominal_speedup": None, "compute_ratio": None,
+                **(self.compute.as_dict() if self.compute else {}),
+                "ms_per_layer": None, "fixed_ms": None, **(self.cost.as_dict() if self.cost else {})}
 
 
 def time_generate(loaded, prompt_ids: list[list[int]], settings: GenerationSettings) -> Sample:
@@ -77,21 +80,15 @@ def time_generate(loaded, prompt_ids: list[list[int]], settings: GenerationSetti
                              streamer=streamer)
     stamps = streamer.times[1:]  # drop the prompt
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
-    decode_s = sum(steps)
-    new = out.shape[1] - width
-    return Sample(ttft_s=stamps[0] - start, tokens_per_s=len(steps) * len(prompt_ids) / decode_s,
-                  ms_p50=percentile(steps, 50) * 1e3, ms_p90=percentile(steps, 90) * 1e3, new_tokens=new)
+    return Sample(Speed.from_steps(stamps[0] - start, steps, len(prompt_ids)), new_tokens=out.shape[1] - width)
 
 
 def time_engine(engine: Engine, prompt_ids: list[list[int]], settings: GenerationSettings) -> Sample:
     trace = Trace.for_engine(engine)
     for event in engine.generate(prompt_ids, settings):
         trace.add(event)
-    s, c, m, cost = speed(trace), compute(trace), memory(trace), step_cost(trace)
-    return Sample(ttft_s=s.ttft_s, tokens_per_s=s.tokens_per_s, ms_p50=s.ms_per_token_p50,
-                  ms_p90=s.ms_per_token_p90, new_tokens=len(trace.events), kv_bytes=m.kv_bytes_peak,
-                  nominal_speedup=c.nominal_speedup, compute_ratio=c.compute_ratio,
-                  ms_per_layer=cost.ms_per_layer if cost else None, fixed_ms=cost.fixed_ms if cost else None)
+    return Sample(speed(trace), new_tokens=len(trace.events), kv_bytes=memory(trace).kv_bytes_peak,
+                  compute=compute(trace), cost=step_cost(trace))
 
 
 @dataclass
@@ -101,7 +98,7 @@ class Variant:
     samples: list[Sample] = field(default_factory=list)
 
     def median(self, attr: str) -> float | None:
-        values = [getattr(s, attr) for s in self.samples if getattr(s, attr) is not None]
+        values = [s.as_dict()[attr] for s in self.samples if s.as_dict()[attr] is not None]
         return statistics.median(values) if values else None
 
 
@@ -126,7 +123,7 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
                 variant.samples.append(sample)
         if i >= warmup:
             log(f"  repeat {i - warmup + 1}/{repeats}: " + ", ".join(
-                f"{v.name} {v.samples[-1].tokens_per_s:.1f} tok/s" for v in runs))
+                f"{v.name} {v.samples[-1].speed.tokens_per_s:.1f} tok/s" for v in runs))
     by_name = {v.name: v for v in runs}
     full_tps = by_name["full"].median("tokens_per_s") if "full" in by_name else None
     gen_tps = by_name["generate"].median("tokens_per_s") if "generate" in by_name else None
@@ -137,8 +134,8 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
         row = {
             "variant": v.name,
             "tokens_per_s": tps,
-            "ms_per_token_p50": v.median("ms_p50"),
-            "ms_per_token_p90": v.median("ms_p90"),
+            "ms_per_token_p50": v.median("ms_per_token_p50"),
+            "ms_per_token_p90": v.median("ms_per_token_p90"),
             "ttft_s": v.median("ttft_s"),
             "kv_bytes": v.median("kv_bytes"),
             "speedup_vs_full": tps / full_tps if full_tps else None,
@@ -148,7 +145,7 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
             "compute_ratio": v.median("compute_ratio"),
             "ms_per_layer": v.median("ms_per_layer"),
             "fixed_ms": v.median("fixed_ms"),
-            "samples": [s.__dict__ for s in v.samples],
+            "samples": [s.as_dict() for s in v.samples],
         }
         rows.append(row)
     return {"batch": len(prompt_ids), "prompt_tokens": [len(p) for p in prompt_ids],

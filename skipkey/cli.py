@@ -8,39 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
 
-from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings
+from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv_policies import POLICIES, make_kv_policy
+from skipkey.kv_policies import KV_POLICIES, make_kv_policy, parse_policy_spec, policy_options
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
-
-RANDOM_PREFIX = "random:"
-
-
-def load(name: str, device: str | None, dtype: str | None, adapter: str | None = None):
-    """The embedded model, a Hub id, a local directory, or ``random:SHAPE`` for speed benchmarks.
-
-    ``adapter``: a SkipDecode LoRA adapter (``finetune``) merged into a copy; refused for another model.
-    """
-    from skipkey.loading import load_model, resolve_device, resolve_dtype
-
-    if name.startswith(RANDOM_PREFIX):
-        from skipkey.tiny import shaped_model
-
-        dev = resolve_device(device)
-        loaded = shaped_model(name[len(RANDOM_PREFIX):], device=dev, dtype=resolve_dtype(dtype, dev))
-    else:
-        loaded = load_model(name, device=device, dtype=dtype)
-    if adapter is not None:
-        from skipkey.finetune import load_tuned
-
-        return load_tuned(loaded, adapter)
-    return loaded
 
 
 # -- shared options -------------------------------------------------------------
@@ -66,6 +42,7 @@ def add_generation_args(p: argparse.ArgumentParser, default_tokens: int = 64):
 
 
 def add_method_args(p: argparse.ArgumentParser):
+    """The SkipDecode and KV options; ``skipdecode_from`` and ``kv_policy_from`` read them."""
     g = p.add_argument_group("SkipDecode")
     g.add_argument("--skip-target", type=float, default=None,
                    help="target nominal speedup of the layer stack (e.g. 2.0); picks the schedule")
@@ -78,12 +55,20 @@ def add_method_args(p: argparse.ArgumentParser):
     g.add_argument("--skip-exponent", type=float, default=2.0, help="power-law exponent")
     g.add_argument("--skip-policy", choices=LAYER_POLICIES, default="top")
     g = p.add_argument_group("KV cache (Keyformer and baselines)")
-    g.add_argument("--kv-policy", choices=list(POLICIES), default=None)
+    g.add_argument("--kv-policy", choices=list(KV_POLICIES), default=None)
     g.add_argument("--kv-budget", default="0.5",
                    help="fraction of the prompt in (0, 1], or a whole number of tokens above 1")
     g.add_argument("--kv-recent", type=float, default=0.3, help="share of the budget kept for recent tokens")
-    g.add_argument("--tau-init", type=float, default=1.0)
-    g.add_argument("--tau-end", type=float, default=2.0)
+    g.add_argument("--kv-evict-every", type=int, default=1,
+                   help="evict every N steps (1: the paper); the cache then holds up to budget + N - 1")
+    g.add_argument("--tau-init", type=float, default=None, help="keyformer: Gumbel temperature at the first step (1)")
+    g.add_argument("--tau-end", type=float, default=None, help="keyformer: temperature at the last step (2)")
+    g.add_argument("--kv-observe", type=int, default=None,
+                   help="h2o/keyformer/snapkv: score the prompt from its last W queries only (0: all, the paper)")
+    g.add_argument("--kv-pool", type=int, default=None,
+                   help="h2o/keyformer/snapkv: max-pool prompt scores over K positions, keeping items whole")
+    g.add_argument("--kv-normalize", action="store_true", default=None,
+                   help="h2o/keyformer: divide each score by the number of queries that could see the token")
 
 
 def settings_from(args) -> GenerationSettings:
@@ -96,18 +81,34 @@ def skip_requested(args) -> bool:
         v is not None for v in (args.skip_max, args.skip_min, args.skip_horizon, args.skip_layers))
 
 
+def skipdecode_from(args, num_layers: int, max_new_tokens: int):
+    """The SkipDecode config the options describe."""
+    return make_skipdecode(num_layers, decode_steps(max_new_tokens), target=args.skip_target,
+                           kind=args.skip_schedule, policy=args.skip_policy, b_max=args.skip_max,
+                           b_min=args.skip_min, horizon=args.skip_horizon, warmup=args.skip_warmup,
+                           exponent=args.skip_exponent, layers=args.skip_layers)
+
+
+def kv_policy_from(args, spec: str | None = None, *, strict: bool = True):
+    """The KV policy ``spec`` (default: ``--kv-policy``) with the KV options.
+
+    A spec may carry its own options (``keyformer:observe=64,pool=7``), which win over
+    the flags. ``strict`` refuses a flag the policy has no use for; comparisons of
+    several policies apply each flag to the policies that have it.
+    """
+    name, own = parse_policy_spec(spec or args.kv_policy)
+    flags = dict(tau_init=args.tau_init, tau_end=args.tau_end, observe=args.kv_observe, pool=args.kv_pool,
+                 normalize=args.kv_normalize)
+    if not strict:
+        flags = {k: v for k, v in flags.items() if k in policy_options(name)}
+    return make_kv_policy(name, args.kv_budget, args.kv_recent, seed=args.seed, evict_every=args.kv_evict_every,
+                          **{**flags, **own})
+
+
 def methods_from(args, num_layers: int, max_new_tokens: int):
     """(SkipDecode or None, KV policy or None) from the options."""
-    skip = None
-    if skip_requested(args):
-        skip = make_skipdecode(num_layers, max(1, max_new_tokens - 1), target=args.skip_target,
-                               kind=args.skip_schedule, policy=args.skip_policy, b_max=args.skip_max,
-                               b_min=args.skip_min, horizon=args.skip_horizon, warmup=args.skip_warmup,
-                               exponent=args.skip_exponent, layers=args.skip_layers)
-    kv = None
-    if args.kv_policy is not None:
-        kv = make_kv_policy(args.kv_policy, args.kv_budget, args.kv_recent, tau_init=args.tau_init,
-                            tau_end=args.tau_end, seed=args.seed)
+    skip = skipdecode_from(args, num_layers, max_new_tokens) if skip_requested(args) else None
+    kv = kv_policy_from(args) if args.kv_policy is not None else None
     return skip, kv
 
 
@@ -116,14 +117,16 @@ def check_methods_early(args):
     if args.skip_target is not None and args.skip_target < 1:
         raise InputError(f"--skip-target must be at least 1 (a speedup), got {args.skip_target}")
     if args.kv_policy is not None:
-        make_kv_policy(args.kv_policy, args.kv_budget, args.kv_recent, tau_init=args.tau_init,
-                       tau_end=args.tau_end, seed=args.seed)
+        kv_policy_from(args)
+    for spec in getattr(args, "compare_kv", []):
+        kv_policy_from(args, spec, strict=False)
 
 
 # -- commands -------------------------------------------------------------------
 def cmd_generate(args) -> int:
     from skipkey.engine import Engine
     from skipkey.metrics import compute, memory, speed
+    from skipkey.models import load
     from skipkey.trace import Trace
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
@@ -168,6 +171,8 @@ def cmd_bench(args) -> int:
 
     from skipkey.bench import format_table, run_bench, synthetic_prompt
     from skipkey.engine import Engine
+    from skipkey.models import load
+    from skipkey.provenance import command_line, machine_description
 
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     check_methods_early(args)
@@ -180,12 +185,11 @@ def cmd_bench(args) -> int:
         label = " + ".join(x for x in (skip and skip.describe(), kv and kv.describe()) if x)
         accelerated.append((label, skip, kv))
     for target in args.compare_targets:
-        accelerated.append((f"skip {args.skip_policy} {target}x",
-                            make_skipdecode(loaded.num_layers, settings.max_new_tokens - 1, target=target,
-                                            kind=args.skip_schedule, policy=args.skip_policy), None))
-    for name in args.compare_kv:
-        policy = make_kv_policy(name, args.kv_budget, args.kv_recent, tau_init=args.tau_init, tau_end=args.tau_end,
-                                seed=args.seed)
+        skip = make_skipdecode(loaded.num_layers, decode_steps(settings.max_new_tokens), target=target,
+                               kind=args.skip_schedule, policy=args.skip_policy)
+        accelerated.append((f"skip {args.skip_policy} {target}x", skip, None))
+    for spec in args.compare_kv:
+        policy = kv_policy_from(args, spec, strict=False)
         accelerated.append((policy.describe(), None, policy))
     results = []
     for prompt_tokens in args.prompt_tokens:
@@ -202,33 +206,13 @@ def cmd_bench(args) -> int:
                                log=lambda msg: print(msg, file=sys.stderr))
             result.update(model=loaded.name, device=str(loaded.device), dtype=str(loaded.dtype),
                           date=time.strftime("%Y-%m-%d"), machine=machine_description(loaded.device),
-                          command=command_line(args))
+                          command=command_line(args.argv))
             print(format_table(result), flush=True)
             results.append(result)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(results, indent=1))
     return 0
-
-
-def machine_description(device) -> str:
-    """What the figures were measured on: the GPU's name, or the CPU model and core count."""
-    import os
-    import platform
-
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def cmd_finetune(args) -> int:
@@ -270,8 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write the results as JSON here")
     p.add_argument("--compare-targets", type=float, nargs="*", default=[],
                    help="also run SkipDecode at each of these nominal speedups (with --skip-policy)")
-    p.add_argument("--compare-kv", nargs="*", default=[], choices=list(POLICIES),
-                   help="also run each of these KV policies at --kv-budget")
+    p.add_argument("--compare-kv", nargs="*", default=[], metavar="POLICY[:OPTION=VALUE,...]",
+                   help=f"also run each of these KV policies ({', '.join(KV_POLICIES)}) at --kv-budget; "
+                        f"options after a colon, e.g. keyformer:observe=64,pool=7")
     add_method_args(p)
     add_adapter_arg(p, "also run each accelerated configuration on the model with this adapter merged")
     p.set_defaults(func=cmd_bench)
@@ -289,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retrieval-samples", type=int, default=5)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     p.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0, 5.0])
-    p.add_argument("--kv-policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--kv-policies", nargs="+", default=list(KV_POLICIES))
     p.add_argument("--ppl-tokens", type=int, default=256,
                    help="long-text perplexity: tokens scored after a --ppl-prompt-tokens prompt")
     p.add_argument("--kv-prompt-tokens", type=int, default=384,
@@ -326,11 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action="store_true", help="discard the checkpoint in the work dir")
     p.set_defaults(func=cmd_finetune)
     return parser
-
-
-def command_line(args) -> str:
-    """The command that made a result, for its JSON (every figure names its command)."""
-    return shlex.join(["python", "-m", "skipkey", *args.argv])
 
 
 def main(argv: list[str] | None = None) -> int:

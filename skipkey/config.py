@@ -7,6 +7,7 @@ them. Messages name the problem and the allowed range.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from skipkey.errors import InputError
@@ -15,16 +16,38 @@ MAX_NEW_TOKENS_CAP = 2048  # documented cap: enough for every benchmark, bounded
 MAX_BATCH = 64
 
 
-def require_int(name: str, value, lo: int, hi: int | None = None) -> int:
-    """``value`` as an int in [lo, hi], or an InputError that says so."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            isinstance(value, float) and (not math.isfinite(value) or value != int(value))):
+def is_int(value: object) -> bool:
+    """An integer (numpy's too), not a bool: True is an int to Python, never a count here."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def require_int(name: str, value, lo: int, hi: int | None = None, *, exact: bool = False, lo_is: str = "",
+                hi_is: str = "") -> int:
+    """``value`` as an int in [lo, hi], or an InputError that names the allowed range.
+
+    Sliders and JSON clients send 6.0 for 6, so a whole float passes, unless
+    ``exact`` (the schedules' own parameters, typed by the library). ``lo_is`` and
+    ``hi_is`` say where a bound comes from, e.g. " (warmup + 1)"; ``exact`` checks
+    word their message as "an integer from lo to hi", the others as "in lo..hi".
+    """
+    whole = (not exact and isinstance(value, float) and math.isfinite(value) and value.is_integer())
+    if (is_int(value) or whole) and lo <= value and (hi is None or value <= hi):
+        return int(value)
+    if exact:
+        allowed = f"an integer >= {lo}{lo_is}" if hi is None else f"an integer from {lo}{lo_is} to {hi}{hi_is}"
+        raise InputError(f"{name} must be {allowed}, got {value!r}")
+    if not (is_int(value) or whole):
         raise InputError(f"{name} must be a whole number, got {value!r}")
-    value = int(value)
-    if value < lo or (hi is not None and value > hi):
-        allowed = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise InputError(f"{name} must be in {allowed}, got {value}")
-    return value
+    allowed = f"{lo}{lo_is}..{hi}{hi_is}" if hi is not None else f">= {lo}{lo_is}"
+    raise InputError(f"{name} must be in {allowed}, got {int(value)}")
+
+
+def decode_steps(max_new_tokens: int) -> int:
+    """Decode steps a SkipDecode schedule covers: token 0 comes from the prompt pass, the rest from steps.
+
+    At least 1, so a schedule is defined even for a single new token.
+    """
+    return max(1, max_new_tokens - 1)
 
 
 def require_float(name: str, value, lo: float, hi: float, *, lo_open: bool = False) -> float:

@@ -27,7 +27,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from skipkey.adapters import ModelAdapter, adapter_for
+from skipkey.architectures import get_architecture
 from skipkey.attention import StepState
 from skipkey.cache import EMPTY, KVCache
 from skipkey.config import GenerationSettings, validate_prompt_ids
@@ -59,20 +59,6 @@ class StepEvent:
     prompt_lengths: tuple[int, ...] | None = None  # on the first event only
     logprobs: tuple[float, ...] | None = None  # of the forced tokens, when teacher forcing
     greedy: tuple[int, ...] | None = None  # the model's own argmax where a token was forced
-
-
-_ADAPTER_LOCK = threading.Lock()
-
-
-def get_adapter(model) -> ModelAdapter:
-    """One adapter per model object (it registers SkipKey's attention once), safe across threads."""
-    adapter = getattr(model, "_skipkey_adapter", None)
-    if adapter is None:
-        with _ADAPTER_LOCK:
-            adapter = getattr(model, "_skipkey_adapter", None)
-            if adapter is None:
-                adapter = model._skipkey_adapter = adapter_for(model)
-    return adapter
 
 
 def logits_processors(settings: GenerationSettings) -> LogitsProcessorList:
@@ -112,11 +98,11 @@ class Engine:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.adapter = get_adapter(loaded.model)
+        self.arch = get_architecture(loaded.model)
         self.skip = skip
         self.kv = kv
         if skip is not None:
-            skip.validate(self.adapter.num_layers)
+            skip.validate(self.arch.num_layers)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
         pad = self.model.generation_config.pad_token_id
@@ -147,32 +133,32 @@ class Engine:
         Each layer's cache settles (evicts or trims) as soon as the layer has run, so
         the prompt's full keys and values are held for one layer at a time.
         """
-        adapter = self.adapter
+        arch = self.arch
         rope_pos = positions.clamp(min=0)
-        hidden = adapter.embed(input_ids, rope_pos)
-        layer_kwargs = adapter.position_inputs(hidden, rope_pos)
+        hidden = arch.embed(input_ids, rope_pos)
+        layer_kwargs = arch.position_inputs(hidden, rope_pos)
         importance = [] if measure_importance else None
         valid = positions >= 0
         next_positions = positions.max(dim=1).values + 1
-        for idx in range(adapter.num_layers):
-            out = adapter.run_layer(idx, hidden, layer_kwargs[idx], state=state)
+        for idx in range(arch.num_layers):
+            out = arch.run_layer(idx, hidden, layer_kwargs[idx], state=state)
             retention.after(state.cache.layers[idx], 0, next_positions)
             if importance is not None:
                 importance.append(layer_importance(hidden, out, valid))
             hidden = out
-        return adapter.head(hidden[:, -1:])[:, -1], importance
+        return arch.head(hidden[:, -1:])[:, -1], importance
 
     def decode_one_token(self, tokens: torch.Tensor, positions: torch.Tensor, layers: Sequence[int],
                          state: StepState, retention: "_Retention", step: int) -> torch.Tensor:
         """Feed one token per row through ``layers``; a skipped layer is the identity."""
-        adapter = self.adapter
+        arch = self.arch
         pos = positions[:, None]
-        hidden = adapter.embed(tokens[:, None], pos)
-        layer_kwargs = adapter.position_inputs(hidden, pos)
+        hidden = arch.embed(tokens[:, None], pos)
+        layer_kwargs = arch.position_inputs(hidden, pos)
         for idx in layers:
-            hidden = adapter.run_layer(idx, hidden, layer_kwargs[idx], state=state)
+            hidden = arch.run_layer(idx, hidden, layer_kwargs[idx], state=state)
             retention.after(state.cache.layers[idx], step, positions + 1)
-        return adapter.head(hidden)[:, -1]
+        return arch.head(hidden)[:, -1]
 
     def step_state(self, cache: KVCache, query_positions: torch.Tensor, step: int, total_steps: int) -> StepState:
         """What the attention function needs for one forward: the cache, the positions, the KV scoring."""
@@ -202,18 +188,18 @@ class Engine:
         settings, forced_ids = self._forcing(prompts, settings, forced)
         batch = _Batch.build(self.encode(prompts, settings.max_new_tokens), self.pad_id, self.device)
         total_steps = settings.max_new_tokens
-        cache = KVCache([info.sliding_window for info in self.adapter.layer_info])
+        cache = KVCache([info.sliding_window for info in self.arch.layer_info])
         retention = _Retention(self.kv, batch, total_steps)
         choose = _TokenChooser(settings, forced_ids, batch.input_ids)
         events = _EventBuilder(self, batch.rows, settings, cache, record)
-        all_layers = tuple(range(self.adapter.num_layers))
+        all_layers = tuple(range(self.arch.num_layers))
 
         # Token 0: the prompt at full depth.
         started = time.perf_counter()
         needs_importance = self.skip is not None and self.skip.needs_importance
         state = self.step_state(cache, batch.positions, 0, total_steps)
         logits, importance = self.prefill(batch.input_ids, batch.positions, state, retention, needs_importance)
-        plan = self.skip.plan(self.adapter.num_layers, importance) if self.skip is not None else None
+        plan = self.skip.plan(self.arch.num_layers, importance) if self.skip is not None else None
         token, scored = choose(0, logits)
         yield events.build(0, token, all_layers, started, scored, importance=importance,
                            prompt_lengths=tuple(batch.lengths))
@@ -368,4 +354,4 @@ class _EventBuilder:
                          greedy=scored[1] if scored else None)
 
 
-__all__ = ["Engine", "InputError", "StepEvent", "get_adapter", "logits_processors"]
+__all__ = ["Engine", "InputError", "StepEvent", "logits_processors"]

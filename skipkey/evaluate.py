@@ -8,134 +8,29 @@
 * retrieval: a pass key or a key-value fact stated early in a long filler prompt
   and asked for at its end, scored by exact match (KV policies).
 
-Tasks are generated in code from a seed; the long text is the Python
-documentation's help topics (``pydoc_data``), which ships with Python.
+The prompts, tasks and long text come from ``skipkey.prompts``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import random
-import re
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from skipkey.config import GenerationSettings
+from skipkey.config import GenerationSettings, decode_steps
 from skipkey.engine import Engine
 from skipkey.errors import InputError
+from skipkey.kv_policies import make_kv_policy
+from skipkey.lora import load_tuned, read_metadata
 from skipkey.metrics import agreement, rouge_l
+from skipkey.models import load
+from skipkey.prompts import ORDINARY_PROMPTS, document_prompts, long_text_ids, retrieval_tasks, retrieved
+from skipkey.provenance import command_line, machine_description
+from skipkey.skipdecode import make_skipdecode
 from skipkey.trace import Trace
-
-ORDINARY_PROMPTS = [
-    "The history of the Roman Empire",
-    "To bake a loaf of sourdough bread, you first",
-    "The main differences between TCP and UDP are",
-    "Once upon a time, in a village by the sea, there lived",
-    "Photosynthesis is the process by which",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "The best way to learn a new language is",
-    "Dear hiring manager, I am writing to apply for",
-    "In 1969, the Apollo 11 mission",
-    "The three laws of thermodynamics state that",
-    "A good night's sleep matters because",
-    "SELECT name, COUNT(*) FROM orders",
-    "The capital of Australia is Canberra, and the capital of Canada is",
-    "Climate change affects coastal cities by",
-    "Here is a recipe for a simple tomato soup:",
-    "The stock market fell sharply on Monday after",
-    "Machine learning models can overfit when",
-    "My favourite memory from childhood is",
-    "The following is a summary of the meeting:",
-    "Water boils at 100 degrees Celsius at sea level, but on a mountain",
-    "The rules of chess say that a bishop",
-    "An email to a colleague about the project deadline:",
-    "The French Revolution began in 1789 when",
-    "How to change a flat tyre: first,",
-]
-
-FILLER = [
-    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
-    "The river runs past the old mill.", "A cat sleeps on the warm wall.", "The market opens at dawn.",
-    "Clouds drift over the quiet hills.", "The baker lights the oven early.",
-]
-NAMES = ["Elena Marsh", "Tomas Reyes", "Aiko Tanaka", "Brigid Doyle", "Samir Haddad", "Ingrid Olsen",
-         "Kwame Mensah", "Lucia Ferri", "Oskar Lind", "Priya Nair"]
-WORDS = ["Bluefin", "Saffron", "Granite", "Marigold", "Falcon", "Juniper", "Cobalt", "Lantern", "Orchid", "Thistle"]
-
-
-@dataclass(frozen=True)
-class RetrievalTask:
-    prompt: str
-    answer: str
-    kind: str
-
-
-def _filler(rng: random.Random, tokenizer, tokens: int) -> str:
-    parts, count = [], 0
-    while count < tokens:
-        sentence = rng.choice(FILLER)
-        parts.append(sentence)
-        count += len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
-    return " ".join(parts)
-
-
-def retrieval_tasks(tokenizer, length: int, samples: int, seed: int = 0) -> list[RetrievalTask]:
-    """Pass-key and key-value tasks of about ``length`` prompt tokens, the fact near the start."""
-    rng = random.Random(seed * 100003 + length)
-    tasks = []
-    for i in range(samples):
-        lead = _filler(rng, tokenizer, int(length * 0.05))
-        if i % 2 == 0:
-            key = str(rng.randint(10000, 99999))
-            head = (f"There is a pass key hidden in this text. Remember it.\n{lead}\n"
-                    f"The pass key is {key}. Remember it. {key} is the pass key.\n")
-            tail = "\nWhat is the pass key? The pass key is"
-            kind, answer = "passkey", key
-        else:
-            name, word = rng.choice(NAMES), rng.choice(WORDS)
-            head = f"Ship records.\n{lead}\nThe code name of the ship of {name} is {word}.\n"
-            tail = f"\nQuestion: what is the code name of the ship of {name}? Answer: The code name is"
-            kind, answer = "fact", word
-        used = len(tokenizer(head + tail)["input_ids"])
-        tasks.append(RetrievalTask(head + _filler(rng, tokenizer, max(0, length - used)) + tail, answer, kind))
-    return tasks
-
-
-def retrieved(text: str, answer: str) -> bool:
-    """Exact match of the first word the model produces."""
-    words = re.findall(r"[A-Za-z0-9]+", text)
-    return bool(words) and words[0] == answer
-
-
-def long_text_ids(tokenizer, tokens: int) -> list[int]:
-    """Real English prose: Python's help topics, concatenated (ships with Python)."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    return tokenizer(text, add_special_tokens=True)["input_ids"][:tokens]
-
-
-def document_prompts(tokenizer, count: int, tokens: int) -> list[str]:
-    """``count`` ordinary documents cut to about ``tokens`` tokens each, to be continued.
-
-    Python's help topics (installed with Python), taken from the end of the list so
-    they do not overlap the long-text perplexity passage, which starts at its head.
-    The KV budget is a share of the prompt, so agreement needs prompts long enough
-    for a budget to mean something: 25% of a 10-token prompt keeps two tokens.
-    """
-    from pydoc_data.topics import topics
-
-    long_enough = [topics[k] for k in sorted(topics, reverse=True) if len(topics[k]) >= 6 * tokens]
-    if count > len(long_enough):
-        raise InputError(f"at most {len(long_enough)} document prompts of {tokens} tokens exist here, asked {count}")
-    prompts = []
-    for text in long_enough[:count]:
-        ids = tokenizer(text.strip(), add_special_tokens=False)["input_ids"][:tokens]
-        prompts.append(tokenizer.decode(ids))
-    return prompts
 
 
 @dataclass(frozen=True)
@@ -153,7 +48,7 @@ def _generate(loaded, config: EvalConfig, prompts, settings, **kwargs) -> Trace:
     return Trace.collect(Engine(config.model or loaded, skip=config.skip, kv=config.kv), prompts, settings, **kwargs)
 
 
-def teacher_forced(loaded, config: EvalConfig, prompts, continuations) -> tuple[float, float]:
+def perplexity_and_accuracy(loaded, config: EvalConfig, prompts, continuations) -> tuple[float, float]:
     """``continuations`` teacher-forced through the cached decode: (perplexity, next-token accuracy).
 
     Perplexity is exp(mean NLL). Next-token accuracy is the share of positions
@@ -182,7 +77,7 @@ def quality(loaded, configs: list[EvalConfig], prompts: list[str], max_new_token
         agree = [agreement(refs[r], trace.tokens(r)) for r in range(len(prompts))]
         divergences = [a.first_divergence if a.first_divergence is not None else max_new_tokens for a in agree]
         rouge = [rouge_l(full.text(r), trace.text(r)) for r in range(len(prompts))]
-        ppl, accuracy = teacher_forced(loaded, config, prompts, refs)
+        ppl, accuracy = perplexity_and_accuracy(loaded, config, prompts, refs)
         rows.append(dict(label=config.label, policy=config.policy, target=config.target, budget=config.budget,
                          token_agreement=sum(a.matching for a in agree) / len(agree),
                          first_divergence_median=sorted(divergences)[len(divergences) // 2],
@@ -212,7 +107,7 @@ def long_text_perplexity(loaded, configs: list[EvalConfig], prompt_tokens: int, 
     prompt, cont = ids[:prompt_tokens], ids[prompt_tokens:]
     rows = []
     for config in configs:
-        ppl, accuracy = teacher_forced(loaded, config, [prompt], [cont])
+        ppl, accuracy = perplexity_and_accuracy(loaded, config, [prompt], [cont])
         rows.append(dict(label=config.label, policy=config.policy, budget=config.budget, ppl=ppl,
                          next_token_accuracy=accuracy, prompt_tokens=len(prompt), continuation_tokens=len(cont)))
         log(f"  long-text PPL: {config.label}: {ppl:.2f}")
@@ -220,9 +115,6 @@ def long_text_perplexity(loaded, configs: list[EvalConfig], prompt_tokens: int, 
 
 
 def kv_configs(num_layers: int, policies: list[str], budgets: list[float], seed: int, max_new_tokens: int):
-    from skipkey.kv_policies import make_kv_policy
-    from skipkey.skipdecode import make_skipdecode
-
     configs = [EvalConfig("full")]
     for budget in budgets:
         for name in policies:
@@ -230,19 +122,17 @@ def kv_configs(num_layers: int, policies: list[str], budgets: list[float], seed:
                 continue
             configs.append(EvalConfig(f"{name} {budget:.0%}", kv=make_kv_policy(name, budget, seed=seed),
                                       policy=name, budget=budget))
-    skip = make_skipdecode(num_layers, max(1, max_new_tokens - 1), target=2.0)
+    skip = make_skipdecode(num_layers, decode_steps(max_new_tokens), target=2.0)
     configs.append(EvalConfig("keyformer 50% + skip 2x", skip=skip, kv=make_kv_policy("keyformer", 0.5, seed=seed),
                               policy="keyformer+skip", budget=0.5, target=2.0))
     return configs
 
 
 def skip_configs(num_layers: int, targets: list[float], max_new_tokens: int):
-    from skipkey.skipdecode import make_skipdecode
-
     configs = [EvalConfig("full")]
     for policy in ("top", "importance"):
         for target in targets:
-            skip = make_skipdecode(num_layers, max(1, max_new_tokens - 1), target=target, policy=policy)
+            skip = make_skipdecode(num_layers, decode_steps(max_new_tokens), target=target, policy=policy)
             configs.append(EvalConfig(f"{policy} {target}x", skip=skip, policy=policy, target=target))
     return configs
 
@@ -309,8 +199,6 @@ def save_figure(fig, path: str) -> None:
 
 
 def main(args) -> int:
-    from skipkey.cli import command_line, load, machine_description
-
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
@@ -322,15 +210,13 @@ def main(args) -> int:
     prompts = (ORDINARY_PROMPTS * 2)[: args.prompts]
     result = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype),
               "date": time.strftime("%Y-%m-%d"), "machine": machine_description(loaded.device),
-              "command": command_line(args), "max_new_tokens": args.max_new_tokens, "prompts": len(prompts)}
+              "command": command_line(args.argv), "max_new_tokens": args.max_new_tokens, "prompts": len(prompts)}
     if "skip" in args.suite:
         log("# SkipDecode quality")
         configs = skip_configs(loaded.num_layers, args.targets, args.max_new_tokens)
         result["skip"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
         print(markdown_table(result["skip"], ["policy", "target", *QUALITY_COLUMNS]))
     if "tuned" in args.suite:
-        from skipkey.finetune import load_tuned, read_metadata
-
         log("# SkipDecode quality, untuned vs tuned")
         tuned = load_tuned(loaded, args.adapter)
         meta = read_metadata(args.adapter)

@@ -5,14 +5,14 @@ schedule in the forward pass, one LM loss at the top and no exit heads: off the
 shelf, the upper layers never saw the hidden states of the lower ones they now
 follow. To fit a 2-core CPU and a committable file, only LoRA adapters (Hu et
 al. 2021) on every decoder layer's attention and MLP projections train here;
-the base weights stay frozen. ``load_tuned`` merges them into a copy of the
-weights, so a tuned model decodes exactly as fast as the untuned one.
+the base weights stay frozen. ``skipkey.lora.load_tuned`` merges them into a
+copy of the weights, so a tuned model decodes exactly as fast as the untuned one.
 
 The steps, in order (``train`` runs them):
 
-1. ``training_prompts``: seeded, varied prompts (topics in templates, code
-   openers, passages of Python's own help text, ``pydoc_data``), none of them
-   ``evaluate.ORDINARY_PROMPTS``, which stay held out.
+1. ``skipkey.prompts.training_prompts``: seeded, varied prompts (topics in
+   templates, code openers, passages of Python's own help text), none of them
+   ``ORDINARY_PROMPTS``, which stay held out for the evaluation.
 2. ``build_dataset``: the full model's greedy continuations of those prompts
    (the engine, as the evaluation's references are made) and its top-k
    log-probabilities at every continuation position, for self-distillation.
@@ -23,19 +23,17 @@ The steps, in order (``train`` runs them):
    skipping model); AdamW with warm-up and cosine decay; a checkpoint every few
    steps. Batches and schedules are functions of (seed, step), so resuming
    gives the same run as not stopping.
-4. ``save_adapter``: peft's adapter files plus ``skipkey_adapter.json`` (base
-   model and its fingerprint, schedule range, data, steps, losses, command).
+4. ``skipkey.lora.save_adapter``: peft's adapter files plus ``skipkey_adapter.json``
+   (base model and its fingerprint, schedule range, data, steps, losses, command).
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
 import os
 import random
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -44,21 +42,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, require_float, require_int
-from skipkey.engine import Engine, get_adapter
+from skipkey.architectures import get_architecture
+from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps, require_float, require_int
+from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
+from skipkey.loading import cache_root, load_model
+from skipkey.lora import ADAPTER_FORMAT, adapter_megabytes, fingerprint, lora_targets, save_adapter
+from skipkey.prompts import TRAINING_PROMPTS_VERSION, training_prompts
+from skipkey.provenance import command_line
 from skipkey.skipdecode import make_skipdecode
 from skipkey.teacher_forced import teacher_forced_logits_batch
 
-ADAPTER_FORMAT = "skipkey-skipdecode-lora/1"
-METADATA_FILE = "skipkey_adapter.json"
-PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 CHECKPOINT_FILE = "checkpoint.pt"
-TUNED_SUFFIX = "+skipdecode-lora"
 TEACHER_TOP_K = 64  # teacher log-probs kept per position: almost all the mass, 64 x 8 bytes each
-PROMPTS_VERSION = 1  # bump when training_prompts changes, so cached data is rebuilt
 GRAD_CLIP = 1.0
-WEIGHTS_RTOL = 1e-3  # casting to bf16 moves the layer-0 checksum by ~3e-5; other weights move it far more
 
 
 # -- configuration ------------------------------------------------------------------
@@ -77,7 +74,7 @@ class FinetuneConfig:
     alpha: float = 16.0
     kl_weight: float = 1.0
     targets: tuple[float, ...] = (1.5, 3.0)  # one value: fixed; two: uniform range, drawn per batch
-    gen_len: int = 64  # continuation tokens; the schedule covers its gen_len - 1 decode steps
+    gen_len: int = 64  # continuation tokens; the schedule covers their decode steps
     sequences: int = 320
     seed: int = 0
     checkpoint_every: int = 10
@@ -104,18 +101,18 @@ class FinetuneConfig:
 
     @property
     def schedule_steps(self) -> int:
-        return self.gen_len - 1
+        return decode_steps(self.gen_len)
 
     def command(self) -> str:
         """The CLI line that makes this run (every setting spelled out)."""
-        args = ["python", "-m", "skipkey", "finetune"]
+        args = ["finetune"]
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None:
                 continue
             flag = "--" + f.name.replace("_", "-")
             args += [flag, *map(str, value)] if isinstance(value, tuple) else [flag, str(value)]
-        return shlex.join(args)
+        return command_line(args)
 
 
 def _resume_key(cfg: FinetuneConfig) -> dict:
@@ -124,101 +121,9 @@ def _resume_key(cfg: FinetuneConfig) -> dict:
 
 
 # -- data -------------------------------------------------------------------------------
-SUBJECTS = [
-    "volcanoes", "the printing press", "honeybees", "public libraries", "the violin", "glaciers",
-    "the Silk Road", "vaccines", "coral reefs", "the steam engine", "jazz", "origami", "lighthouses",
-    "the human heart", "black holes", "green tea", "the Great Wall of China", "penguins", "solar panels",
-    "the Renaissance", "earthquakes", "bicycles", "rainforests", "the immune system", "railways", "cheese",
-    "typewriters", "the Olympic Games", "deserts", "electric cars", "the Internet", "mushrooms", "windmills",
-    "ancient Egypt", "the piano", "recycling", "submarines", "the alphabet", "hurricanes", "the Vikings",
-    "suspension bridges", "coffee", "telescopes", "wolves", "the Amazon River", "paper money", "clocks",
-    "butterflies", "the Industrial Revolution", "museums", "satellites", "rice farming", "the Sahara",
-    "vitamins", "castles", "photography", "octopuses", "democracy", "gardening", "the Byzantine Empire",
-    "spreadsheets", "compilers", "the blockchain", "sewing machines", "opera", "marathons", "maple syrup",
-]
-TEMPLATES = [
-    "The history of {s} begins", "A short introduction to {s}.\n\n", "Here are five facts about {s}:\n1.",
-    "Q: What should everyone know about {s}?\nA:", "Chapter 1: {S}\n\n", "My grandmother often told me about {s}.",
-    "Encyclopedia entry: {S}.", "In this essay I will argue that {s}", "Notes from a lecture on {s}:",
-    "The most surprising thing about {s} is", "A children's story about {s}. Once", "Title: A beginner's guide to {s}\n\n",
-    "Scientists who study {s} recently found", "Just learned something amazing about {s}!",
-    "An interview with an expert on {s}.\nQ:", "Pros and cons of {s}:\n-", "A poem about {s}:\n\n",
-    "Dear diary, today I visited an exhibition about {s}.", "If you have ever wondered about {s},",
-]
-CODE_PROMPTS = [
-    "def parse_config(path):\n", "class Inventory:\n    \"\"\"", "import os\nimport sys\n\n\ndef main():\n",
-    "# Read a CSV file and print the average of each column\nimport csv\n", "function debounce(fn, wait) {\n",
-    "#include <stdio.h>\n\nint main(void) {\n", "<!DOCTYPE html>\n<html>\n<head>\n  <title>",
-    "def merge_sorted(a, b):\n    \"\"\"", "CREATE TABLE users (\n", "$ git log --oneline\n",
-    "fn main() {\n    let", "public class Point {\n    private", "for (let i = 0; i < items.length; i++) {\n",
-    "def is_prime(n: int) -> bool:\n", "# Installation\n\nTo install the package, run", "import numpy as np\n\n",
-]
-
-
-def _doc_passages() -> list[str]:
-    """Prose paragraphs of Python's help topics (``pydoc_data``, shipped with Python)."""
-    from pydoc_data.topics import topics
-
-    passages = []
-    for key in sorted(topics):
-        for para in topics[key].split("\n\n"):
-            text = " ".join(para.split())
-            if para[:1].isalpha() and len(text) > 80 and not set(text) & set("*=|"):
-                passages.append(text)
-    return passages
-
-
-def training_prompts(count: int, seed: int = 0) -> list[str]:
-    """``count`` distinct prompts, seeded: half topic templates, a fifth code, the rest help-text openings.
-
-    None is one of ``evaluate.ORDINARY_PROMPTS`` (the held-out prompts), and the
-    subjects avoid their topics.
-    """
-    from skipkey.evaluate import ORDINARY_PROMPTS
-
-    rng = random.Random(seed)
-    passages = _doc_passages()
-    held_out = set(ORDINARY_PROMPTS)
-    prompts: list[str] = []
-    seen = set(held_out)
-    while len(prompts) < count:
-        kind = len(prompts) % 10
-        if kind < 5:
-            subject = rng.choice(SUBJECTS)
-            prompt = rng.choice(TEMPLATES).format(s=subject, S=subject[:1].upper() + subject[1:])
-        elif kind < 7:
-            prompt = rng.choice(CODE_PROMPTS)
-            if prompt in seen:  # few code openers: vary them by a preceding comment
-                prompt = f"# {rng.choice(SUBJECTS)} helper, version {rng.randint(2, 99)}\n{prompt}"
-        else:
-            words = rng.choice(passages).split()
-            prompt = " ".join(words[: rng.randint(8, 30)])
-        if prompt not in seen:
-            seen.add(prompt)
-            prompts.append(prompt)
-    assert not held_out & set(prompts)
-    return prompts
-
-
-def fingerprint(model) -> dict:
-    """What identifies a base model: its shape, and a checksum of layer 0's weights (dtype-robust)."""
-    cfg = model.config.get_text_config()
-    layer0 = get_adapter(model).layers[0]
-    return {
-        "model_type": cfg.model_type,
-        "num_layers": int(cfg.num_hidden_layers),
-        "hidden_size": int(cfg.hidden_size),
-        "vocab_size": int(cfg.vocab_size),
-        "num_attention_heads": int(cfg.num_attention_heads),
-        "layer0_abs_sum": float(sum(p.detach().double().abs().sum() for p in layer0.parameters())),
-    }
-
-
 def _data_path(loaded, cfg: FinetuneConfig) -> Path:
-    from skipkey.loading import cache_root
-
     key = json.dumps([loaded.name, fingerprint(loaded.model), cfg.sequences, cfg.gen_len, cfg.seed,
-                      TEACHER_TOP_K, PROMPTS_VERSION], sort_keys=True)
+                      TEACHER_TOP_K, TRAINING_PROMPTS_VERSION], sort_keys=True)
     return cache_root() / "finetune" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -230,7 +135,7 @@ def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> di
         return torch.load(path)
     prompts = training_prompts(cfg.sequences, cfg.seed)
     engine = Engine(loaded)
-    adapter = engine.adapter
+    arch = engine.arch
     settings = GenerationSettings(max_new_tokens=cfg.gen_len, ignore_eos=True)  # as the eval's references
     prompt_ids, continuations, teacher_logp, teacher_ids = [], [], [], []
     started = time.perf_counter()
@@ -243,7 +148,7 @@ def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> di
         for sub in range(0, len(ids), 8):  # the teacher pass, 8 rows at a time to bound memory
             batch = make_batch(part, list(range(sub, min(sub + 8, len(ids)))), cfg.gen_len)
             with torch.inference_mode():
-                logits = teacher_forced_logits_batch(adapter, batch["input_ids"], batch["prompt_lens"],
+                logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"],
                                                      attention_mask=batch["attention_mask"],
                                                      logits_at=batch["logits_at"])
                 top = torch.log_softmax(logits, dim=-1).topk(TEACHER_TOP_K, dim=-1)
@@ -329,9 +234,9 @@ def distill_kl(logq: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torc
     return (kl_top + log_rest_p.exp() * (log_rest_p - log_rest_q)).mean()
 
 
-def skipdecode_loss(adapter, batch: dict, layer_sets, kl_weight: float):
+def skipdecode_loss(arch, batch: dict, layer_sets, kl_weight: float):
     """(loss, LM loss, KL) of the skipping model on the batch's continuations."""
-    logits = teacher_forced_logits_batch(adapter, batch["input_ids"], batch["prompt_lens"], layer_sets,
+    logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"], layer_sets,
                                          attention_mask=batch["attention_mask"], logits_at=batch["logits_at"])
     logq = torch.log_softmax(logits, dim=-1)
     lm = F.nll_loss(logq, batch["targets"])
@@ -348,12 +253,6 @@ def learning_rate(step: int, cfg: FinetuneConfig) -> float:
 
 
 # -- LoRA, checkpoints ----------------------------------------------------------------------
-def lora_targets(model) -> list[str]:
-    """Names of the linear projections inside a decoder layer (attention and MLP) in this family."""
-    layer = get_adapter(model).layers[0]
-    return sorted({name.rsplit(".", 1)[-1] for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)})
-
-
 def add_lora(model, cfg: FinetuneConfig, targets: list[str]):
     """Wrap ``model`` (in place) with trainable LoRA adapters on ``targets`` in every layer; base weights frozen."""
     from peft import LoraConfig, get_peft_model
@@ -396,8 +295,6 @@ def load_checkpoint(path: Path, peft_model, optimizer, cfg: FinetuneConfig) -> d
 
 
 def default_work_dir(out: str) -> Path:
-    from skipkey.loading import cache_root
-
     where = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:8]
     return cache_root() / "finetune" / f"run-{Path(out).name}-{where}"
 
@@ -410,8 +307,6 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
     ``loaded`` (default: load ``cfg.model``) is wrapped during the run and
     restored afterwards.
     """
-    from skipkey.loading import load_model
-
     work = Path(work_dir) if work_dir is not None else default_work_dir(cfg.out)
     ckpt = work / CHECKPOINT_FILE
     if ckpt.exists() and not (resume or restart):
@@ -431,7 +326,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
     device = next(loaded.model.parameters()).device
     peft_model = add_lora(loaded.model, cfg, targets)
     try:
-        adapter = get_adapter(loaded.model)
+        arch = get_architecture(loaded.model)
         params = trainable(peft_model)
         optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
         history, seconds, start = [], 0.0, 0
@@ -449,7 +344,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
             target, layer_sets = draw_layer_sets(num_layers, cfg, step)
             batch = {k: v.to(device) if torch.is_tensor(v) else v
                      for k, v in make_batch(data, batch_rows(data, step, cfg), cfg.gen_len).items()}
-            loss, lm, kl = skipdecode_loss(adapter, batch, layer_sets, cfg.kl_weight)
+            loss, lm, kl = skipdecode_loss(arch, batch, layer_sets, cfg.kl_weight)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params.values(), GRAD_CLIP)
             optimizer.step()
@@ -489,7 +384,7 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
                      "draw": "fixed" if len(cfg.targets) == 1 else "uniform per batch",
                      "continuation_tokens": cfg.gen_len, "decode_steps": cfg.schedule_steps},
         "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": 0.0, "target_modules": targets},
-        "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed, "prompts": "skipkey.finetune.training_prompts: "
+        "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed, "prompts": "skipkey.prompts.training_prompts: "
                  "topic templates, code openers and Python help-text passages (pydoc_data); none held out",
                  "continuations": f"the full model's greedy {cfg.gen_len} tokens (the engine, EOS ignored)",
                  "teacher": f"the full model's top-{TEACHER_TOP_K} log-probs at each continuation position",
@@ -510,97 +405,7 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
     }
 
 
-def save_adapter(peft_model, out: str | Path, metadata: dict) -> None:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    peft_model.peft_config["default"].base_model_name_or_path = metadata["base_model"]
-    peft_model.save_pretrained(str(out), save_embedding_layers=False)  # none trained; skips a Hub lookup
-    (out / "README.md").unlink(missing_ok=True)  # peft's empty model-card template; the metadata says it all
-    (out / METADATA_FILE).write_text(json.dumps(metadata, indent=1) + "\n")
-
-
-def adapter_megabytes(directory: str | Path) -> float:
-    return sum(f.stat().st_size for f in Path(directory).iterdir() if f.is_file()) / 2**20
-
-
-# -- use -----------------------------------------------------------------------------------
-def read_metadata(adapter_dir: str | Path) -> dict:
-    """The adapter's ``skipkey_adapter.json``, or a clear error about what is missing."""
-    directory = Path(adapter_dir).expanduser()
-    if not directory.is_dir():
-        raise InputError(f"adapter directory {str(adapter_dir)!r} does not exist; pass the folder "
-                         "`python -m skipkey finetune` wrote (e.g. assets/skipdecode-lora)")
-    missing = [name for name in (METADATA_FILE, *PEFT_FILES) if not (directory / name).is_file()]
-    if missing:
-        raise ModelLoadError(f"{directory} is not a SkipDecode adapter: {', '.join(missing)} missing "
-                             "(make one with `python -m skipkey finetune`)")
-    try:
-        meta = json.loads((directory / METADATA_FILE).read_text())
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"Cannot read {directory / METADATA_FILE}: {error}") from error
-    if not isinstance(meta, dict) or meta.get("format") != ADAPTER_FORMAT:
-        raise ModelLoadError(f"{directory / METADATA_FILE} is not in the format {ADAPTER_FORMAT!r}")
-    return meta
-
-
-def check_compatible(meta: dict, loaded, where: str | Path = "the adapter") -> None:
-    """Refuse an adapter trained for another model (name, shape or weights)."""
-    trained_for = meta.get("base_model")
-    if trained_for != loaded.name:
-        raise ModelLoadError(f"the adapter in {where} was trained for model {trained_for!r}, not {loaded.name!r}; "
-                             f"load it with --model {trained_for}")
-    expected, actual = meta.get("base_fingerprint") or {}, fingerprint(loaded.model)
-    shape = [f"{k} {expected.get(k)} there, {actual[k]} here" for k in actual
-             if k != "layer0_abs_sum" and expected.get(k) != actual[k]]
-    if shape:
-        raise ModelLoadError(f"the adapter in {where} does not fit this {loaded.name!r} model: {'; '.join(shape)}")
-    checksum = expected.get("layer0_abs_sum")
-    if checksum is None or not math.isclose(checksum, actual["layer0_abs_sum"], rel_tol=WEIGHTS_RTOL):
-        raise ModelLoadError(f"the adapter in {where} was trained on other weights than this {loaded.name!r} "
-                             f"(layer-0 checksum {checksum} there, {actual['layer0_abs_sum']:.6g} here)")
-
-
-def _copy_for_merge(model, target_modules: list[str]):
-    """A copy of ``model`` whose LoRA-targeted weights are its own; every other tensor is shared.
-
-    The embedding (a 262k-row table for Gemma 3) is most of a small model and no
-    adapter touches it, so the tuned copy costs only the decoder layers' memory.
-    """
-    targeted = {id(m.weight) for name, m in model.named_modules()
-                if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules}
-    memo = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in targeted}
-    engine_adapter = getattr(model, "_skipkey_adapter", None)
-    if engine_adapter is not None:
-        memo[id(engine_adapter)] = None  # the copy gets its own adapter on first use
-    return copy.deepcopy(model, memo)
-
-
-def load_tuned(loaded, adapter_dir: str | Path):
-    """A NEW ``LoadedModel``: ``loaded``'s weights with the SkipDecode LoRA adapters merged in.
-
-    Refuses an adapter trained for another model. Named ``<name>+skipdecode-lora``;
-    ``loaded`` itself is unchanged, and the two share every tensor the adapters
-    do not touch.
-    """
-    from peft import PeftModel
-
-    from skipkey.loading import LoadedModel
-
-    meta = read_metadata(adapter_dir)
-    directory = Path(adapter_dir).expanduser()
-    check_compatible(meta, loaded, directory)
-    model = _copy_for_merge(loaded.model, meta.get("lora", {}).get("target_modules") or lora_targets(loaded.model))
-    try:
-        merged = PeftModel.from_pretrained(model, str(directory), is_trainable=False).merge_and_unload()
-    except Exception as error:  # peft raises many kinds, with long text
-        first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        raise ModelLoadError(f"Could not apply the adapter in {directory}: {first}") from error
-    merged.eval()
-    merged.requires_grad_(False)
-    return LoadedModel(model=merged, tokenizer=loaded.tokenizer, name=f"{loaded.name}{TUNED_SUFFIX}",
-                       device=loaded.device, dtype=loaded.dtype)
-
-
+# -- the command ----------------------------------------------------------------------------
 def main(args) -> int:
     """``python -m skipkey finetune``."""
     cfg = FinetuneConfig(model=args.model, out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,

@@ -420,7 +420,7 @@ def _gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(uniform))
 
 
-POLICIES: dict[str, type[KVPolicy]] = {
+KV_POLICIES: dict[str, type[KVPolicy]] = {
     cls.name: cls for cls in (FullPolicy, WindowPolicy, StreamingPolicy, H2OPolicy, KeyformerPolicy, TOVAPolicy,
                               SnapKVPolicy)
 }
@@ -429,7 +429,37 @@ POLICIES: dict[str, type[KVPolicy]] = {
 def policy_options(name: str) -> tuple[str, ...]:
     """The method-specific fields of policy ``name`` (beyond budget, recent, seed, evict_every)."""
     common = {f.name for f in dataclasses.fields(KVPolicy)}
-    return tuple(f.name for f in dataclasses.fields(POLICIES[name]) if f.name not in common)
+    return tuple(f.name for f in dataclasses.fields(KV_POLICIES[name]) if f.name not in common)
+
+
+def parse_policy_spec(spec: str) -> tuple[str, dict]:
+    """``"keyformer:observe=64,pool=7,normalize=1"`` -> ``("keyformer", {"observe": 64, ...})``.
+
+    Lets one run compare the same policy with different options. Values are read as
+    numbers (``true``/``false`` also accepted); the policy validates them.
+    """
+    name, _, rest = str(spec).partition(":")
+    options = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise InputError(f"KV policy option {item!r} in {spec!r} is not of the form name=value")
+        text = value.strip().lower()
+        if text in ("true", "false"):
+            options[key.strip()] = text == "true"
+            continue
+        try:
+            number = float(text)
+        except ValueError:
+            raise InputError(f"KV policy option {key.strip()}={value!r} in {spec!r} is not a number") from None
+        options[key.strip()] = int(number) if number.is_integer() and "." not in text else number
+    name = name.strip()
+    switches = {f.name for f in dataclasses.fields(KV_POLICIES[name]) if isinstance(f.default, bool)} \
+        if name in KV_POLICIES else set()
+    for key in switches & options.keys():
+        if options[key] in (0, 1):
+            options[key] = bool(options[key])
+    return name, options
 
 
 def make_kv_policy(name: str, budget=0.5, recent: float = 0.3, *, seed: int = 0, evict_every: int = 1,
@@ -439,9 +469,9 @@ def make_kv_policy(name: str, budget=0.5, recent: float = 0.3, *, seed: int = 0,
     ``options`` are method-specific (``tau_init``, ``observe``, ``pool``, ...); ``None``
     means "the method's default". Setting one the method does not have is an error.
     """
-    cls = POLICIES.get(name)
+    cls = KV_POLICIES.get(name)
     if cls is None:
-        raise InputError(f"unknown KV policy {name!r}; choose one of {', '.join(POLICIES)}")
+        raise InputError(f"unknown KV policy {name!r}; choose one of {', '.join(KV_POLICIES)}")
     given = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(given) - set(policy_options(name)))
     if unknown:

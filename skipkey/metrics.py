@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -16,7 +17,10 @@ def percentile(values, q: float) -> float:
 
 @dataclass(frozen=True)
 class Speed:
-    """Timings of one trace. Decode figures exclude the prompt pass (token 0)."""
+    """Timings of one run: the one record of them (the CLI, ``bench`` and the app all report these).
+
+    Decode figures exclude the prompt pass (token 0).
+    """
 
     ttft_s: float
     decode_tokens: int
@@ -28,19 +32,24 @@ class Speed:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_steps(cls, ttft_s: float, step_seconds: Sequence[float], rows: int) -> "Speed":
+        """From the time to the first token and each decode step's seconds (``rows`` tokens a step)."""
+        decode_s = float(sum(step_seconds))
+        tokens = len(step_seconds) * rows
+        return cls(
+            ttft_s=ttft_s,
+            decode_tokens=tokens,
+            decode_s=decode_s,
+            tokens_per_s=tokens / decode_s if decode_s > 0 else float("nan"),
+            ms_per_token_p50=percentile(step_seconds, 50) * 1e3,
+            ms_per_token_p90=percentile(step_seconds, 90) * 1e3,
+        )
+
 
 def speed(trace: Trace) -> Speed:
-    steps = [e.seconds for e in trace.decode_events]
-    decode_s = float(sum(steps))
-    tokens = len(steps) * trace.rows
-    return Speed(
-        ttft_s=trace.events[0].seconds if trace.events else float("nan"),
-        decode_tokens=tokens,
-        decode_s=decode_s,
-        tokens_per_s=tokens / decode_s if decode_s > 0 else float("nan"),
-        ms_per_token_p50=percentile(steps, 50) * 1e3,
-        ms_per_token_p90=percentile(steps, 90) * 1e3,
-    )
+    return Speed.from_steps(trace.events[0].seconds if trace.events else float("nan"),
+                            [e.seconds for e in trace.decode_events], trace.rows)
 
 
 @dataclass(frozen=True)

@@ -24,25 +24,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from skipkey.config import is_int, require_int
 from skipkey.errors import InputError
 
 SCHEDULE_KINDS = ("linear", "power", "constant")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _require_int(
-    name: str, value: object, low: int, high: int | None = None, *, low_is: str = "", high_is: str = ""
-) -> None:
-    if _is_int(value) and low <= value and (high is None or value <= high):
-        return
-    if high is None:
-        allowed = f"an integer >= {low}{low_is}"
-    else:
-        allowed = f"an integer from {low}{low_is} to {high}{high_is}"
-    raise InputError(f"{name} must be {allowed}, got {value!r}")
+def _require_int(name: str, value: object, low: int, high: int | None = None, *, low_is: str = "",
+                 high_is: str = "") -> None:
+    require_int(name, value, low, high, exact=True, lo_is=low_is, hi_is=high_is)
 
 
 def _check_warmup(warmup: object, num_layers: int | None) -> None:
@@ -241,7 +231,7 @@ class ImportanceLayers:
         object.__setattr__(self, "ranking", tuple(self.ranking))
         object.__setattr__(self, "pinned", tuple(self.pinned))
         every = (*self.pinned, *self.ranking)
-        if not every or not all(map(_is_int, every)) or sorted(every) != list(range(len(every))):
+        if not every or not all(map(is_int, every)) or sorted(every) != list(range(len(every))):
             raise InputError(
                 f"pinned {self.pinned} and ranking {self.ranking} must together name every "
                 f"layer 0 to {len(every) - 1} exactly once"

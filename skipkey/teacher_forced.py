@@ -60,29 +60,29 @@ def _runs(layer_idx: int, positions: torch.Tensor, prompt_lens: torch.Tensor,
     return runs
 
 
-def _final_hidden(adapter, input_ids: torch.Tensor, positions: torch.Tensor, prompt_lens: torch.Tensor,
+def _final_hidden(arch, input_ids: torch.Tensor, positions: torch.Tensor, prompt_lens: torch.Tensor,
                   layer_sets: Sequence[Sequence[int]], kept=None) -> torch.Tensor:
     """Hidden states ``[B, T, H]`` after the last layer; ``positions`` is -1 at padding."""
     rope_pos = positions.clamp(min=0)
-    hidden = adapter.embed(input_ids, rope_pos)
+    hidden = arch.embed(input_ids, rope_pos)
     inputs_by_end: dict[int, list[dict]] = {}
-    for idx in range(adapter.num_layers):
+    for idx in range(arch.num_layers):
         runs = _runs(idx, positions, prompt_lens, layer_sets)
         if not runs.any():
             continue
         # Slots past the last one that runs this layer are never read through it: leave them out.
         end = int(runs.any(dim=0).nonzero().max()) + 1
         if end not in inputs_by_end:
-            inputs_by_end[end] = adapter.position_inputs(hidden[:, :end], rope_pos[:, :end])
-        mask = _mask(idx, adapter.layer_info[idx].sliding_window, positions[:, :end], int(prompt_lens[0]),
-                     kept, adapter.num_heads)
-        out = adapter.run_layer(idx, hidden[:, :end], inputs_by_end[end][idx], attention_mask=mask)
+            inputs_by_end[end] = arch.position_inputs(hidden[:, :end], rope_pos[:, :end])
+        mask = _mask(idx, arch.layer_info[idx].sliding_window, positions[:, :end], int(prompt_lens[0]),
+                     kept, arch.num_heads)
+        out = arch.run_layer(idx, hidden[:, :end], inputs_by_end[end][idx], attention_mask=mask)
         head = torch.where(runs[:, :end, None], out, hidden[:, :end])
         hidden = head if end == hidden.shape[1] else torch.cat([head, hidden[:, end:]], dim=1)
     return hidden
 
 
-def teacher_forced_logits(adapter, input_ids: torch.Tensor, prompt_len: int,
+def teacher_forced_logits(arch, input_ids: torch.Tensor, prompt_len: int,
                           layer_sets: Sequence[Sequence[int]] | None = None,
                           kept: Sequence[Sequence[np.ndarray | None]] | None = None) -> torch.Tensor:
     """Logits ``[T, V]`` for a single sequence ``input_ids`` ``[1, T]``.
@@ -94,11 +94,11 @@ def teacher_forced_logits(adapter, input_ids: torch.Tensor, prompt_len: int,
     """
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
     prompt_lens = torch.tensor([prompt_len], device=input_ids.device)
-    hidden = _final_hidden(adapter, input_ids, positions, prompt_lens, list(layer_sets or []), kept)
-    return adapter.head(hidden)[0]
+    hidden = _final_hidden(arch, input_ids, positions, prompt_lens, list(layer_sets or []), kept)
+    return arch.head(hidden)[0]
 
 
-def teacher_forced_logits_batch(adapter, input_ids: torch.Tensor, prompt_lens: Sequence[int],
+def teacher_forced_logits_batch(arch, input_ids: torch.Tensor, prompt_lens: Sequence[int],
                                 layer_sets: Sequence[Sequence[int]] | None = None, *,
                                 attention_mask: torch.Tensor | None = None,
                                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,7 +124,7 @@ def teacher_forced_logits_batch(adapter, input_ids: torch.Tensor, prompt_lens: S
     lens = torch.as_tensor(list(prompt_lens), device=input_ids.device)
     if bool((lens < 1).any()) or bool((lens > real.sum(dim=1)).any()):
         raise InputError(f"prompt lengths {list(prompt_lens)} must be from 1 to each row's token count")
-    hidden = _final_hidden(adapter, input_ids, positions, lens, list(layer_sets or []))
+    hidden = _final_hidden(arch, input_ids, positions, lens, list(layer_sets or []))
     if logits_at is not None:
-        return adapter.head(hidden[logits_at.bool()])
-    return adapter.head(hidden)
+        return arch.head(hidden[logits_at.bool()])
+    return arch.head(hidden)

@@ -25,10 +25,10 @@ class Trace:
 
     @classmethod
     def for_engine(cls, engine: Engine, label: str = "") -> "Trace":
-        adapter = engine.adapter
-        layer_cost = sum(adapter.layer_params(i) for i in range(adapter.num_layers)) / adapter.num_layers
-        return cls(num_layers=adapter.num_layers, layer_cost=float(layer_cost),
-                   head_cost=float(adapter.lm_head_params), label=label)
+        arch = engine.arch
+        layer_cost = sum(arch.layer_params(i) for i in range(arch.num_layers)) / arch.num_layers
+        return cls(num_layers=arch.num_layers, layer_cost=float(layer_cost),
+                   head_cost=float(arch.lm_head_params), label=label)
 
     @classmethod
     def collect(cls, engine: Engine, prompts, settings=None, *, stop: threading.Event | None = None,

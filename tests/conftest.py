@@ -34,6 +34,29 @@ def tiny_models():
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_app_model(tiny_models):
+    """The app tests' model: a tiny Gemma 3 that never emits EOS, so every run makes exactly max_new_tokens."""
+    lm = tiny_models("gemma3", seed=1)
+    lm.model.generation_config.eos_token_id = None
+    return lm
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter(tiny_app_model, tmp_path_factory):
+    """A SkipDecode adapter trained for a few steps on ``tiny_app_model`` (as the committed one is on the
+    embedded model), once per session."""
+    from skipkey.finetune import FinetuneConfig, train
+
+    root = tmp_path_factory.mktemp("app-lora")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SKIPKEY_CACHE", str(root / "cache"))
+        cfg = FinetuneConfig(model=tiny_app_model.name, out=str(root / "lora"), steps=4, batch_size=4, lr=5e-2,
+                             warmup_steps=0, gen_len=8, sequences=8, targets=(2.0,), checkpoint_every=4)
+        train(cfg, tiny_app_model, work_dir=root / "work", log=lambda msg: None)
+    return root / "lora"
+
+
 @contextlib.contextmanager
 def serving(demo):
     """Launch a built demo on a free loopback port; yield its URL; close it after."""

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import PROMPTS
 from skipkey import app_logic
-from skipkey.app_logic import ModelCache, allowed_models, build_request, compare
+from skipkey.app_logic import Controls, ModelCache, allowed_models, build_request, compare
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
@@ -24,10 +24,9 @@ from skipkey.trace import Trace
 
 import app
 
-CONTROLS = dict(prompt=PROMPTS[2], model="embedded", max_new_tokens=10, decoding="greedy", temperature=1.0,
-                seed=0, skip_on=True, layer_policy="top", schedule="linear", set_by="layers", b_max=6, b_min=2,
-                horizon=6, warmup=1, exponent=2.0, target_speedup=2.0, kv_on=True, kv_policy="keyformer",
-                kv_budget_pct=50, kv_recent_pct=30, tau_init=1.0, tau_end=2.0)
+# The page's defaults, except what the tiny 6-layer model and these tests need.
+CONTROLS = Controls(prompt=PROMPTS[2], max_new_tokens=10, temperature=1.0, layer_policy="top", b_max=6, b_min=2,
+                    horizon=6, target_speedup=2.0, kv_on=True)
 
 
 class FakeRequest:
@@ -36,47 +35,30 @@ class FakeRequest:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_models):
-    """A tiny Gemma 3 that never emits EOS, so every run makes exactly max_new_tokens."""
-    lm = tiny_models("gemma3", seed=1)
-    lm.model.generation_config.eos_token_id = None
-    return lm
-
-
-@pytest.fixture(scope="module")
-def tiny_adapter(tiny, tmp_path_factory):
-    """A SkipDecode adapter trained for a few steps on ``tiny`` (as the committed one is on the embedded model)."""
-    from skipkey.finetune import FinetuneConfig, train
-
-    root = tmp_path_factory.mktemp("app-lora")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SKIPKEY_CACHE", str(root / "cache"))
-        cfg = FinetuneConfig(model=tiny.name, out=str(root / "lora"), steps=4, batch_size=4, lr=5e-2,
-                             warmup_steps=0, gen_len=8, sequences=8, targets=(2.0,), checkpoint_every=4)
-        train(cfg, tiny, work_dir=root / "work", log=lambda msg: None)
-    return root / "lora"
+def tiny(tiny_app_model):
+    return tiny_app_model
 
 
 @pytest.fixture
-def demo(tiny, tiny_adapter):
+def handlers(tiny, tiny_adapter):
     calls = []
 
     def loader(name):
         calls.append(name)
         return tiny
 
-    demo = app.build_demo(loader=loader, adapters={"embedded": tiny_adapter}, figure_every=2, figure_interval=0,
-                          text_interval=0)
-    demo.loader_calls = calls
-    return demo
+    handlers = app.Handlers(ModelCache(loader, adapters={"embedded": tiny_adapter}), figure_every=2,
+                            figure_interval=0, text_interval=0)
+    handlers.loader_calls = calls
+    return handlers
 
 
 def request_for(num_layers=6, **changes):
-    return build_request(num_layers, **{**CONTROLS, **changes})
+    return build_request(num_layers, dataclasses.replace(CONTROLS, **changes))
 
 
-def run(demo, **changes):
-    return list(demo.handlers["compare"](**{**CONTROLS, **changes}))
+def run(handlers, **changes):
+    return list(handlers.compare(dataclasses.replace(CONTROLS, **changes)))
 
 
 # -- the model list and cache --------------------------------------------------------
@@ -219,9 +201,9 @@ def test_closing_the_comparison_closes_both_engine_loops(tiny):
 
 
 # -- the handlers ----------------------------------------------------------------------
-def test_compare_streams_then_returns_everything(demo):
-    outputs = run(demo, max_new_tokens=12)
-    assert "Generating" in outputs[0][0]
+def test_compare_streams_then_returns_everything(handlers):
+    outputs = run(handlers, max_new_tokens=12)
+    assert "Generating" in outputs[0].status
     status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, state = outputs[-1]
     assert status.startswith("**Done**") and full_text and skip_text
     assert "tokens/s" in full_md and "ms/token" in full_md and "first token" in full_md and "MB" in full_md
@@ -233,18 +215,18 @@ def test_compare_streams_then_returns_everything(demo):
     assert layer_fig.data[0].type == "heatmap" and retention_fig.data[0].type == "heatmap"
     assert step["visible"] and step["maximum"] == len(state[0].events) - 1
     # While streaming, the figures are redrawn every few tokens and skipped in between.
-    redrawn = [o[7] for o in outputs[2:-1]]
+    redrawn = [o.layer_plot for o in outputs[2:-1]]
     assert any(isinstance(f, go.Figure) for f in redrawn)
 
 
-def test_retention_slider_shows_any_step(demo):
-    state = run(demo, max_new_tokens=8)[-1][-1]
+def test_retention_slider_shows_any_step(handlers):
+    state = run(handlers, max_new_tokens=8)[-1].last_run
     trace = state[0]
-    first = demo.handlers["retention_at_step"](state, 0)
+    first = app.retention_at_step(state, 0)
     assert first.data[0].z.shape[1] == trace.prompt_lengths[0]
-    last = demo.handlers["retention_at_step"](state, 99)  # clamped, never an error
+    last = app.retention_at_step(state, 99)  # clamped, never an error
     assert "after step 7" in last.layout.title.text
-    assert demo.handlers["retention_at_step"](None, 3).layout.annotations
+    assert app.retention_at_step(None, 3).layout.annotations
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -255,9 +237,9 @@ def test_retention_slider_shows_any_step(demo):
     (dict(prompt="x" * 1100), "exceeds the model's context of 1024 tokens"),
     (dict(kv_budget_pct="lots"), "KV budget must be a number"),
 ])
-def test_bad_requests_get_a_gradio_error(demo, changes, message):
+def test_bad_requests_get_a_gradio_error(handlers, changes, message):
     with pytest.raises(gr.Error) as error:
-        run(demo, **changes)
+        run(handlers, **changes)
     assert message in error.value.message
 
 
@@ -270,67 +252,67 @@ def test_an_error_leaves_the_app_serving(tiny):
             raise RuntimeError("disk on fire")
         return tiny
 
-    demo = app.build_demo(loader=loader)
+    handlers = app.Handlers(ModelCache(loader))
     with pytest.raises(gr.Error, match="disk on fire"):
-        run(demo)
-    assert run(demo)[-1][0].startswith("**Done**")
+        run(handlers)
+    assert run(handlers)[-1].status.startswith("**Done**")
 
 
-def test_a_crash_mid_generation_is_reported(demo, tiny, monkeypatch):
+def test_a_crash_mid_generation_is_reported(handlers, tiny, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("CUDA out of memory")
         yield
 
     monkeypatch.setattr(app_logic.Engine, "generate", broken)
     with pytest.raises(gr.Error, match="Generation failed: RuntimeError: CUDA out of memory"):
-        run(demo)
+        run(handlers)
     monkeypatch.undo()
-    assert run(demo)[-1][0].startswith("**Done**")
+    assert run(handlers)[-1].status.startswith("**Done**")
 
 
-def test_stop_button_ends_the_sessions_run(demo):
-    stream = demo.handlers["compare"](**{**CONTROLS, "max_new_tokens": 500}, request=FakeRequest("s1"))
+def test_stop_button_ends_the_sessions_run(handlers):
+    stream = handlers.compare(dataclasses.replace(CONTROLS, max_new_tokens=500), request=FakeRequest("s1"))
     for i, _ in enumerate(stream):
         if i == 3:
-            assert len(demo.running) == 1
-            assert demo.handlers["stop"](FakeRequest("other")) is not None  # another session's Stop: no effect
-            assert len(demo.running) == 1
-            assert demo.handlers["stop"](FakeRequest("s1")) == "**Stopped.**"
+            assert len(handlers.running) == 1
+            assert handlers.stop(FakeRequest("other")) is not None  # another session's Stop: no effect
+            assert len(handlers.running) == 1
+            assert handlers.stop(FakeRequest("s1")) == "**Stopped.**"
     assert "Stopped" in _[0]
-    assert len(demo.running) == 0
+    assert len(handlers.running) == 0
 
 
-def test_cancelling_frees_the_request(demo):
-    stream = demo.handlers["compare"](**{**CONTROLS, "max_new_tokens": 500}, request=FakeRequest("s2"))
+def test_cancelling_frees_the_request(handlers):
+    stream = handlers.compare(dataclasses.replace(CONTROLS, max_new_tokens=500), request=FakeRequest("s2"))
     for _ in range(4):
         next(stream)
-    assert len(demo.running) == 1
+    assert len(handlers.running) == 1
     stream.close()  # what Gradio does on cancels= / a client's cancel
-    assert len(demo.running) == 0
+    assert len(handlers.running) == 0
 
 
-def test_memory_stays_flat_across_requests(demo):
+def test_memory_stays_flat_across_requests(handlers):
     def live_traces():
         gc.collect()
         return sum(type(o) is Trace for o in gc.get_objects())
 
-    run(demo, max_new_tokens=4)
+    run(handlers, max_new_tokens=4)
     before = live_traces()
     for _ in range(5):
-        run(demo, max_new_tokens=4)
+        run(handlers, max_new_tokens=4)
     assert live_traces() == before, "traces must not be kept after a request"
-    assert demo.loader_calls == ["embedded"], "the model is loaded once and cached"
-    assert len(demo.running) == 0
+    assert handlers.loader_calls == ["embedded"], "the model is loaded once and cached"
+    assert len(handlers.running) == 0
 
 
-def test_select_model_fits_the_sliders_to_the_model(demo):
-    *loading, ready = demo.handlers["select_model"]("embedded")
+def test_select_model_fits_the_sliders_to_the_model(handlers):
+    *loading, ready = handlers.select_model("embedded")
     status, b_max, b_min, warmup, target, max_tokens, tuned = ready
     assert "6 layers" in status and "tuned weights available" in status and tuned["interactive"] is True
     assert b_max["maximum"] == 6 and b_min["maximum"] == 6 and warmup["maximum"] == 5
     assert target["maximum"] == 3.0
     with pytest.raises(gr.Error, match="not offered here"):
-        list(demo.handlers["select_model"]("gpt2"))
+        list(handlers.select_model("gpt2"))
 
 
 def test_select_model_reports_progress_while_loading(tiny):
@@ -338,16 +320,18 @@ def test_select_model_reports_progress_while_loading(tiny):
         time.sleep(2.5)
         return tiny
 
-    demo = app.build_demo(loader=slow)
-    outputs = list(demo.handlers["select_model"]("embedded"))
-    assert any("**Loading** model" in o[0] for o in outputs[:-1])
-    assert "ready" in outputs[-1][0]
+    handlers = app.Handlers(ModelCache(slow))
+    outputs = list(handlers.select_model("embedded"))
+    assert any("**Loading** model" in o.status for o in outputs[:-1])
+    assert "ready" in outputs[-1].status
 
 
-def test_schedule_preview_never_runs_the_model(demo, monkeypatch):
-    list(demo.handlers["select_model"]("embedded"))
+def test_schedule_preview_never_runs_the_model(handlers, monkeypatch):
+    list(handlers.select_model("embedded"))
     monkeypatch.setattr(app_logic.Engine, "generate", lambda *a, **k: pytest.fail("the preview ran the model"))
-    preview = demo.handlers["schedule_preview"]
+    def preview(*values):
+        return handlers.schedule_preview(Controls(**dict(zip(app_logic.PREVIEW_CONTROLS, values, strict=True))))
+
     fig = preview("embedded", 20, "linear", "layers", 6, 3, 10, 1, 2.0, 2.0)
     assert list(fig.data[1].y) == [LinearSchedule(6, 3, 10).budget(t) for t in range(19)]
     bad = preview("embedded", 20, "linear", "layers", 6, 9, 10, 1, 2.0, 2.0)
@@ -357,10 +341,10 @@ def test_schedule_preview_never_runs_the_model(demo, monkeypatch):
     assert preview("gpt2", 20, "linear", "layers", 6, 3, 10, 1, 2.0, 2.0).layout.annotations
 
 
-def test_schedule_controls_show_what_the_schedule_uses(demo):
-    b_max, b_min, horizon, exponent, target = demo.handlers["schedule_controls"]("constant", "layers")
+def test_schedule_controls_show_what_the_schedule_uses():
+    b_max, b_min, horizon, exponent, target = app.schedule_controls("constant", "layers")
     assert not b_max["visible"] and b_min["visible"] and not horizon["visible"] and not exponent["visible"]
-    *_, exponent, target = demo.handlers["schedule_controls"]("power", "target speedup")
+    *_, exponent, target = app.schedule_controls("power", "target speedup")
     assert exponent["visible"] and target["visible"]
 
 
@@ -371,7 +355,8 @@ def test_examples_include_a_long_context_retrieval_prompt(tiny):
     assert len(retrieval) > 2000 and retrieval.rstrip().endswith("is")
 
 
-def test_launch_never_makes_a_share_link(demo, monkeypatch):
+def test_launch_never_makes_a_share_link(handlers, monkeypatch):
+    demo = app.build_demo(handlers)
     seen = {}
     monkeypatch.setattr(demo, "launch", lambda **kwargs: seen.update(kwargs))
     app.launch(demo, share=True)
@@ -386,9 +371,9 @@ def test_gpu_decorator_is_a_no_op_without_spaces():
 
 def test_a_model_that_cannot_load_gets_a_clear_message():
     # The real loader, offline (conftest), for an allow-listed id that is not in the local cache.
-    demo = app.build_demo(allowed=("embedded", "skipkey-tests/not-cached-anywhere"))
+    handlers = app.Handlers(ModelCache(allowed=("embedded", "skipkey-tests/not-cached-anywhere")))
     with pytest.raises(gr.Error) as error:
-        list(demo.handlers["select_model"]("skipkey-tests/not-cached-anywhere"))
+        list(handlers.select_model("skipkey-tests/not-cached-anywhere"))
     assert "is not in the local cache" in error.value.message
 
 
@@ -403,10 +388,10 @@ def test_a_finished_run_keeps_a_bounded_history(tiny):
 
 
 # -- the tuned toggle -------------------------------------------------------------------
-def test_tuned_weights_run_on_the_skipkey_side_only(demo, tiny, tiny_adapter):
-    from skipkey.finetune import load_tuned
+def test_tuned_weights_run_on_the_skipkey_side_only(handlers, tiny, tiny_adapter):
+    from skipkey.lora import load_tuned
 
-    outputs = run(demo, max_new_tokens=8, tuned=True, kv_on=False)
+    outputs = run(handlers, max_new_tokens=8, tuned=True, kv_on=False)
     status, full_text, _, skip_text, *_ = outputs[-1]
     assert status.startswith("**Done**") and "SkipDecode-tuned weights" in status
     req = request_for(max_new_tokens=8, tuned=True, kv_on=False)
@@ -415,20 +400,20 @@ def test_tuned_weights_run_on_the_skipkey_side_only(demo, tiny, tiny_adapter):
     assert skip_text == Trace.collect(Engine(tuned_model, skip=req.skip), [req.prompt], req.settings).text()
     # The adapter really changes the skipping model's output here (else this test could not fail).
     assert skip_text != Trace.collect(Engine(tiny, skip=req.skip), [req.prompt], req.settings).text()
-    run(demo, max_new_tokens=4, tuned=True)
-    assert demo.loader_calls == ["embedded"] and demo.models.tuned_future("embedded").result().name.endswith(
+    run(handlers, max_new_tokens=4, tuned=True)
+    assert handlers.loader_calls == ["embedded"] and handlers.models.tuned_future("embedded").result().name.endswith(
         "+skipdecode-lora"), "the base is loaded once and the tuned copy made from it"
 
 
 def test_tuned_weights_are_refused_for_a_model_without_an_adapter(tiny):
-    demo = app.build_demo(loader=lambda name: tiny, adapters={})
-    *_, ready = demo.handlers["select_model"]("embedded")
-    assert ready[-1] == {"__type__": "update", "interactive": False, "value": False}
+    handlers = app.Handlers(ModelCache(lambda name: tiny, adapters={}))
+    *_, ready = handlers.select_model("embedded")
+    assert ready.tuned == {"__type__": "update", "interactive": False, "value": False}
     with pytest.raises(gr.Error, match="no SkipDecode-tuned adapter here"):
-        run(demo, max_new_tokens=4, tuned=True)
+        run(handlers, max_new_tokens=4, tuned=True)
     with pytest.raises(gr.Error, match="tuned weights on/off must be true or false"):
-        run(demo, max_new_tokens=4, tuned="yes")
-    assert run(demo, max_new_tokens=4, tuned=False)[-1][0].startswith("**Done**")
+        run(handlers, max_new_tokens=4, tuned="yes")
+    assert run(handlers, max_new_tokens=4, tuned=False)[-1].status.startswith("**Done**")
 
 
 def test_the_tuned_copy_is_made_once_and_a_failure_is_retried(tiny, tiny_adapter):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from conftest import PROMPTS, serving
+from skipkey.app_logic import Controls, ModelCache
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
 from skipkey.trace import Trace
@@ -18,26 +20,23 @@ gradio_client = pytest.importorskip("gradio_client")
 from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
-CONTROLS = dict(prompt=PROMPTS[0], model="embedded", max_new_tokens=8, decoding="greedy", temperature=1.0, seed=0,
-                skip_on=True, layer_policy="top", schedule="linear", set_by="layers", b_max=6, b_min=2, horizon=6,
-                warmup=1, exponent=2.0, target_speedup=2.0, kv_on=True, kv_policy="keyformer", kv_budget_pct=50,
-                kv_recent_pct=30, tau_init=1.0, tau_end=2.0, tuned=False)
+# Every control, as a client sends them: the page's defaults, except what the tiny 6-layer model needs.
+CONTROLS = dataclasses.asdict(Controls(prompt=PROMPTS[0], max_new_tokens=8, temperature=1.0, layer_policy="top",
+                                       b_max=6, b_min=2, horizon=6, target_speedup=2.0, kv_on=True))
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_models):
-    lm = tiny_models("gemma3", seed=1)
-    lm.model.generation_config.eos_token_id = None  # every run makes exactly max_new_tokens
-    return lm
+def tiny(tiny_app_model):
+    return tiny_app_model  # never emits EOS: every run makes exactly max_new_tokens
 
 
 @pytest.fixture(scope="module")
 def served(tiny):
     import app
 
-    demo = app.build_demo(loader=lambda name: tiny, concurrency_limit=2, max_size=8)
-    with serving(demo) as url:
-        yield demo, url
+    handlers = app.Handlers(ModelCache(lambda name: tiny))
+    with serving(app.build_demo(handlers, concurrency_limit=2, max_size=8)) as url:
+        yield handlers, url
 
 
 @pytest.fixture(scope="module")
@@ -121,17 +120,17 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 
 def test_a_stopped_request_frees_its_slot(served, client):
-    demo, url = served
+    handlers, url = served
     # Fill both slots with long runs, then cancel one: a third request must get its slot.
     long_jobs = [Client(url, verbose=False).submit(**{**CONTROLS, "max_new_tokens": 900}, api_name="/compare")
                  for _ in range(2)]
-    wait_until(lambda: len(demo.running) == 2, 60, "both long runs to start")
+    wait_until(lambda: len(handlers.running) == 2, 60, "both long runs to start")
     wait_until(lambda: all(len(job.outputs()) > 1 for job in long_jobs), 60, "both long runs to stream")
     long_jobs[0].cancel()
-    wait_until(lambda: len(demo.running) == 1, 30, "the cancelled run to release its slot")
+    wait_until(lambda: len(handlers.running) == 1, 30, "the cancelled run to release its slot")
     started = time.monotonic()
     result = compare(client, max_new_tokens=4)
     assert result[0].startswith("**Done**") and time.monotonic() - started < 30
-    assert len(demo.running) == 1, "the other long run is still going"
+    assert len(handlers.running) == 1, "the other long run is still going"
     long_jobs[1].cancel()
-    wait_until(lambda: len(demo.running) == 0, 30, "the second cancelled run to end")
+    wait_until(lambda: len(handlers.running) == 0, 30, "the second cancelled run to end")

@@ -36,15 +36,16 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def served(tiny_models):
     import app
+    from skipkey.app_logic import ModelCache
 
     if SCREENSHOT:
-        demo = app.build_demo()
+        handlers = app.Handlers()
     else:
         lm = tiny_models("gemma3", seed=1)
         lm.model.generation_config.eos_token_id = None  # the run to stop must still be going
-        demo = app.build_demo(loader=lambda name: lm, figure_every=4)
-    with serving(demo) as url:
-        yield demo, url
+        handlers = app.Handlers(ModelCache(lambda name: lm), figure_every=4)
+    with serving(app.build_demo(handlers)) as url:
+        yield handlers, url
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 
 def test_compare_and_stop_in_chromium(served, page, tmp_path):
-    demo, url = served
+    handlers, url = served
     slow = 10 if SCREENSHOT else 1  # the embedded model on a small CPU
     page.goto(url)
     status = page.locator("#status")
@@ -124,7 +125,7 @@ def test_compare_and_stop_in_chromium(served, page, tmp_path):
                "the second run to stream")
     page.locator("#stop").click()
     wait_until(lambda: "Stopped" in status.inner_text(), 15, "the stop to register")
-    wait_until(lambda: len(demo.running) == 0, 15, "the server to release the stopped request")
+    wait_until(lambda: len(handlers.running) == 0, 15, "the server to release the stopped request")
     settled = (text_of(page, "full_text"), text_of(page, "skip_text"))
     time.sleep(1.5)
     assert (text_of(page, "full_text"), text_of(page, "skip_text")) == settled, "streams went on after Stop"

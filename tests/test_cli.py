@@ -119,7 +119,7 @@ def test_module_entry_point(model_dir):
 
 
 def test_document_prompts_are_distinct_long_and_apart_from_the_perplexity_text():
-    from skipkey.evaluate import document_prompts, long_text_ids
+    from skipkey.prompts import document_prompts, long_text_ids
 
     tokenizer = tiny_model("gemma3").tokenizer
     prompts = document_prompts(tokenizer, 6, 200)

@@ -8,7 +8,7 @@ import torch
 
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
-from skipkey.evaluate import long_text_ids
+from skipkey.prompts import long_text_ids
 from skipkey.trace import Trace
 
 pytestmark = pytest.mark.embedded
@@ -61,8 +61,8 @@ def test_the_committed_adapter_fits_the_embedded_model_and_lowers_skipping_perpl
     """assets/skipdecode-lora loads onto the embedded model (the app's 'tuned weights') and does what it was
     trained for: the full model's own continuation is far more likely under the tuned skipping model."""
     from skipkey.app_logic import EMBEDDED_ADAPTER
-    from skipkey.evaluate import EvalConfig, teacher_forced
-    from skipkey.finetune import load_tuned
+    from skipkey.evaluate import EvalConfig, perplexity_and_accuracy
+    from skipkey.lora import load_tuned
     from skipkey.skipdecode import make_skipdecode
 
     tuned = load_tuned(embedded, EMBEDDED_ADAPTER)
@@ -72,6 +72,7 @@ def test_the_committed_adapter_fits_the_embedded_model_and_lowers_skipping_perpl
     reference = Trace.collect(Engine(embedded), prompts, settings)
     refs = [reference.tokens(r) for r in range(len(prompts))]
     skip = make_skipdecode(embedded.num_layers, 23, target=2.0)
-    untuned_ppl, _ = teacher_forced(embedded, EvalConfig("top 2x", skip=skip), prompts, refs)
-    tuned_ppl, _ = teacher_forced(embedded, EvalConfig("top 2x tuned", skip=skip, model=tuned), prompts, refs)
+    untuned_ppl, _ = perplexity_and_accuracy(embedded, EvalConfig("top 2x", skip=skip), prompts, refs)
+    tuned_ppl, _ = perplexity_and_accuracy(embedded, EvalConfig("top 2x tuned", skip=skip, model=tuned), prompts,
+                                           refs)
     assert tuned_ppl < untuned_ppl / 10, (tuned_ppl, untuned_ppl)

@@ -85,7 +85,7 @@ def test_cache_holds_prompt_plus_generated_and_windows(tiny_models):
     for event in engine.generate([PROMPTS[0]], GenerationSettings(max_new_tokens=12)):
         for idx, length in enumerate(event.cache_lengths):
             full = prompt_len + event.step
-            window = engine.adapter.layer_info[idx].sliding_window
+            window = engine.arch.layer_info[idx].sliding_window
             assert length == (min(full, window - 1) if window else full)
 
 

@@ -8,21 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from skipkey.cli import main as cli_main
-from skipkey.engine import get_adapter
+from skipkey.architectures import get_architecture
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.evaluate import ORDINARY_PROMPTS
-from skipkey.finetune import (
-    METADATA_FILE,
-    FinetuneConfig,
-    build_dataset,
-    draw_layer_sets,
-    fingerprint,
-    load_tuned,
-    make_batch,
-    skipdecode_loss,
-    train,
-    training_prompts,
-)
+from skipkey.finetune import FinetuneConfig, build_dataset, draw_layer_sets, make_batch, skipdecode_loss, train
+from skipkey.lora import METADATA_FILE, fingerprint, load_tuned
+from skipkey.prompts import ORDINARY_PROMPTS, training_prompts
 from skipkey.tiny import tiny_model
 
 TINY = dict(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, gen_len=8, sequences=16, targets=(1.5, 2.5),
@@ -65,8 +55,8 @@ def test_training_reduces_the_skipping_loss_on_a_fixed_batch(trained):
     _, layer_sets = draw_layer_sets(lm.num_layers, FinetuneConfig(**{**TINY, "targets": (2.0,)}), 0)
     tuned = load_tuned(lm, cfg.out)
     with torch.no_grad():
-        before = skipdecode_loss(get_adapter(lm.model), batch, layer_sets, cfg.kl_weight)[0]
-        after = skipdecode_loss(get_adapter(tuned.model), batch, layer_sets, cfg.kl_weight)[0]
+        before = skipdecode_loss(get_architecture(lm.model), batch, layer_sets, cfg.kl_weight)[0]
+        after = skipdecode_loss(get_architecture(tuned.model), batch, layer_sets, cfg.kl_weight)[0]
     assert after < 0.95 * before
 
 

@@ -8,7 +8,7 @@ from conftest import PROMPTS
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
 from skipkey.errors import InputError
-from skipkey.kv_policies import POLICIES, KeyformerPolicy, make_kv_policy, parse_budget
+from skipkey.kv_policies import KV_POLICIES as POLICIES, KeyformerPolicy, make_kv_policy, parse_budget
 from skipkey.schedules import LinearSchedule
 from skipkey.skipdecode import SkipDecode
 from skipkey.teacher_forced import teacher_forced_logits
@@ -42,7 +42,7 @@ def test_sliding_layers_hold_the_smaller_of_window_and_budget(tiny_models):
     engine = Engine(lm, kv=make_kv_policy("keyformer", budget=20))
     for event in engine.generate([LONG], GenerationSettings(max_new_tokens=8), record=True):
         for idx, kept in enumerate(event.kept):
-            window = engine.adapter.layer_info[idx].sliding_window
+            window = engine.arch.layer_info[idx].sliding_window
             expected = min(window - 1, 20) if window else 20
             assert (valid_counts(kept) == expected).all()
             assert kept.shape[-1] == expected  # physically shrunk, not padded with empty slots
@@ -135,8 +135,8 @@ def test_combined_decode_equals_no_cache_reference(tiny_models, family, name):
     ids = torch.tensor([prompt_ids + tokens[:-1]])
     kept = [e.kept for e in trace.events]
     with torch.no_grad():
-        ref = teacher_forced_logits(engine.adapter, ids, len(prompt_ids), trace.layer_sets[1:], kept)
-        no_evict = teacher_forced_logits(engine.adapter, ids, len(prompt_ids), trace.layer_sets[1:])
+        ref = teacher_forced_logits(engine.arch, ids, len(prompt_ids), trace.layer_sets[1:], kept)
+        no_evict = teacher_forced_logits(engine.arch, ids, len(prompt_ids), trace.layer_sets[1:])
     torch.testing.assert_close(torch.stack(head_out), ref[len(prompt_ids) - 1:], rtol=1e-4, atol=1e-4)
     assert (no_evict[-5:] - ref[-5:]).abs().max() > 1e-3  # eviction really changed the attention
 

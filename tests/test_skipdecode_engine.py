@@ -20,7 +20,7 @@ SCHEDULES = [
 
 def count_layer_calls(lm):
     calls = []
-    layers = Engine(lm).adapter.layers
+    layers = Engine(lm).arch.layers
     hooks = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, layer in enumerate(layers)]
     return calls, hooks
 
@@ -65,14 +65,14 @@ def test_cached_skipping_decode_equals_no_cache_reference(tiny_models, family, p
         hook.remove()
     ids = torch.tensor([prompt_ids + tokens[:-1]])
     with torch.no_grad():
-        ref = teacher_forced_logits(engine.adapter, ids, len(prompt_ids), layer_sets[1:])
+        ref = teacher_forced_logits(engine.arch, ids, len(prompt_ids), layer_sets[1:])
     engine_logits = torch.stack(head_out)
     if family == "gemma3" and lm.model.config.final_logit_softcapping:
         engine_logits = torch.tanh(engine_logits / lm.model.config.final_logit_softcapping) * \
             lm.model.config.final_logit_softcapping
     torch.testing.assert_close(engine_logits, ref[len(prompt_ids) - 1:], rtol=1e-4, atol=1e-4)
     # Skipping must actually change something, or this test proves nothing.
-    full = teacher_forced_logits(engine.adapter, ids, len(prompt_ids))
+    full = teacher_forced_logits(engine.arch, ids, len(prompt_ids))
     assert (full[-5:] - ref[-5:]).abs().max() > 1e-2
 
 

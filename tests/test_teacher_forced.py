@@ -19,13 +19,13 @@ def engine_run(lm, monkeypatch, policy="top"):
     importance = (0.5, 0.1, 0.4, 0.2, 0.3, 0.6) if policy == "importance" else None
     engine = Engine(lm, skip=SkipDecode(LinearSchedule(b_max=6, b_min=2, horizon=10), policy, importance))
     seen = []
-    head = engine.adapter.head
+    head = engine.arch.head
 
     def recording_head(hidden):
         seen.append(head(hidden))
         return seen[-1]
 
-    monkeypatch.setattr(engine.adapter, "head", recording_head)
+    monkeypatch.setattr(engine.arch, "head", recording_head)
     prompt_ids = [lm.tokenizer(p)["input_ids"] for p in PROMPTS]
     tokens, layer_sets = [], []
     for event in engine.generate(prompt_ids, GenerationSettings(max_new_tokens=STEPS, ignore_eos=True)):
@@ -33,7 +33,7 @@ def engine_run(lm, monkeypatch, policy="top"):
         layer_sets.append(event.layers)
     monkeypatch.undo()
     generated = [[step[r] for step in tokens] for r in range(len(PROMPTS))]
-    return engine.adapter, prompt_ids, generated, layer_sets[1:], torch.cat([s[:, -1:] for s in seen], dim=1)
+    return engine.arch, prompt_ids, generated, layer_sets[1:], torch.cat([s[:, -1:] for s in seen], dim=1)
 
 
 def padded(prompt_ids, generated, side):
@@ -70,7 +70,7 @@ def test_batch_equals_engine_cached_decode(tiny_models, monkeypatch, family, pol
 
 def test_one_unpadded_row_is_the_single_sequence_function(tiny_models):
     lm = tiny_models("gemma3")
-    adapter = Engine(lm).adapter
+    adapter = Engine(lm).arch
     ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"]])
     sets = SkipDecode(LinearSchedule(6, 2, 8)).plan(6).layer_sets(ids.shape[1] - 20)
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_one_unpadded_row_is_the_single_sequence_function(tiny_models):
 
 def test_gradients_reach_every_layer_through_skipping(tiny_models):
     lm = tiny_models("llama")
-    adapter = Engine(lm).adapter
+    adapter = Engine(lm).arch
     weights = [layer.mlp.down_proj.weight for layer in adapter.layers]
     ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"]])
     at = torch.zeros_like(ids, dtype=torch.bool)
@@ -100,7 +100,7 @@ def test_gradients_reach_every_layer_through_skipping(tiny_models):
 
 
 def test_bad_shapes_and_prompt_lengths_are_refused(tiny_models):
-    adapter = Engine(tiny_models("llama")).adapter
+    adapter = Engine(tiny_models("llama")).arch
     ids = torch.ones(2, 8, dtype=torch.long)
     with pytest.raises(InputError, match="prompt lengths"):
         teacher_forced_logits_batch(adapter, ids, [3])

@@ -1,6 +1,6 @@
 """The one place that knows model architectures.
 
-An adapter turns a transformers causal LM into four operations the engine needs:
+An ``Architecture`` turns a transformers causal LM into four operations the engine needs:
 ``embed`` token ids at explicit positions, build the per-layer ``position
 inputs`` (RoPE tables), ``run_layer`` one decoder layer, and ``head`` (final
 norm + LM head). Everything else in SkipKey speaks in tensors and layer indices.
@@ -12,6 +12,7 @@ the weights and the numerics are exactly the model's.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,8 @@ class LayerInfo:
     sliding_window: int | None
 
 
-class ModelAdapter:
-    """Base adapter: subclasses say where the parts of one family live."""
+class Architecture:
+    """Base architecture: subclasses say where the parts of one family live."""
 
     families: tuple[str, ...] = ()
 
@@ -73,9 +74,10 @@ class ModelAdapter:
         return self.model.lm_head(self.norm(hidden)).float()
 
     # -- shared -------------------------------------------------------------
-    def run_layer(self, idx: int, hidden: torch.Tensor, layer_kwargs: dict, *, cache=None,
-                  attention_mask=None, state=None) -> torch.Tensor:
-        out = self.layers[idx](hidden, attention_mask=attention_mask, cache=cache, skipkey=state, **layer_kwargs)
+    def run_layer(self, idx: int, hidden: torch.Tensor, layer_kwargs: dict, *, attention_mask=None,
+                  state=None) -> torch.Tensor:
+        """One decoder layer. With ``state``, SkipKey's attention writes the layer's cache itself."""
+        out = self.layers[idx](hidden, attention_mask=attention_mask, skipkey=state, **layer_kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     @property
@@ -86,13 +88,13 @@ class ModelAdapter:
         return sum(p.numel() for p in self.layers[idx].parameters())
 
 
-class LlamaAdapter(ModelAdapter):
+class LlamaArchitecture(Architecture):
     """Llama, Qwen2, Mistral and other Llama-shaped decoders."""
 
     families = ("llama", "qwen2", "mistral")
 
 
-class Gemma3Adapter(ModelAdapter):
+class Gemma3Architecture(Architecture):
     """Gemma 3 text models: separate RoPE tables for local (sliding) and global layers."""
 
     families = ("gemma3_text", "gemma3")
@@ -110,7 +112,7 @@ class Gemma3Adapter(ModelAdapter):
         return logits
 
 
-class OPTAdapter(ModelAdapter):
+class OPTArchitecture(Architecture):
     """OPT: learned absolute positions (offset 2), optional in/out projections."""
 
     families = ("opt",)
@@ -138,17 +140,43 @@ class OPTAdapter(ModelAdapter):
         return hidden
 
 
-ADAPTERS = (LlamaAdapter, Gemma3Adapter, OPTAdapter)
+ARCHITECTURES = (LlamaArchitecture, Gemma3Architecture, OPTArchitecture)
 
 
-def adapter_for(model: nn.Module) -> ModelAdapter:
-    """The adapter for ``model``'s family, or an InputError naming the supported ones."""
+def architecture_for(model: nn.Module) -> Architecture:
+    """A new architecture for ``model``'s family, or an InputError naming the supported ones."""
     model_type = getattr(model.config, "model_type", None)
-    for cls in ADAPTERS:
+    for cls in ARCHITECTURES:
         if model_type in cls.families:
             return cls(model)
-    supported = ", ".join(f for cls in ADAPTERS for f in cls.families)
+    supported = ", ".join(f for cls in ARCHITECTURES for f in cls.families)
     raise InputError(f"model type {model_type!r} is not supported; supported types: {supported}")
 
 
-__all__ = ["ADAPTERS", "ATTENTION_NAME", "LayerInfo", "ModelAdapter", "adapter_for"]
+_ATTRIBUTE = "_skipkey_architecture"  # where a model keeps the one architecture made for it
+_LOCK = threading.Lock()
+
+
+def get_architecture(model: nn.Module) -> Architecture:
+    """One architecture per model object (it registers SkipKey's attention once), safe across threads."""
+    arch = getattr(model, _ATTRIBUTE, None)
+    if arch is None:
+        with _LOCK:
+            arch = getattr(model, _ATTRIBUTE, None)
+            if arch is None:
+                arch = architecture_for(model)
+                setattr(model, _ATTRIBUTE, arch)
+    return arch
+
+
+def cached_architecture(model: nn.Module) -> Architecture | None:
+    """The architecture ``get_architecture`` made for ``model``, if any.
+
+    A deep copy of the model must not share it (it points at the original's
+    layers): copy with ``{id(cached_architecture(model)): None}`` in the memo.
+    """
+    return getattr(model, _ATTRIBUTE, None)
+
+
+__all__ = ["ARCHITECTURES", "ATTENTION_NAME", "Architecture", "LayerInfo", "architecture_for",
+           "cached_architecture", "get_architecture"]

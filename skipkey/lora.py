@@ -1,0 +1,134 @@
+"""SkipDecode LoRA adapters as files: their metadata, whether one fits a model, and ``load_tuned``.
+
+An adapter directory holds peft's files plus ``skipkey_adapter.json`` (base
+model and its fingerprint, schedule range, data, steps, losses, command).
+``skipkey.finetune`` writes them; serving only reads them, through this module,
+so it never imports the training code.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from skipkey.architectures import cached_architecture, get_architecture
+from skipkey.errors import InputError, ModelLoadError
+from skipkey.loading import LoadedModel
+
+ADAPTER_FORMAT = "skipkey-skipdecode-lora/1"
+METADATA_FILE = "skipkey_adapter.json"
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+TUNED_SUFFIX = "+skipdecode-lora"
+WEIGHTS_RTOL = 1e-3  # casting to bf16 moves the layer-0 checksum by ~3e-5; other weights move it far more
+
+
+def fingerprint(model) -> dict:
+    """What identifies a base model: its shape, and a checksum of layer 0's weights (dtype-robust)."""
+    cfg = model.config.get_text_config()
+    layer0 = get_architecture(model).layers[0]
+    return {
+        "model_type": cfg.model_type,
+        "num_layers": int(cfg.num_hidden_layers),
+        "hidden_size": int(cfg.hidden_size),
+        "vocab_size": int(cfg.vocab_size),
+        "num_attention_heads": int(cfg.num_attention_heads),
+        "layer0_abs_sum": float(sum(p.detach().double().abs().sum() for p in layer0.parameters())),
+    }
+
+
+def lora_targets(model) -> list[str]:
+    """Names of the linear projections inside a decoder layer (attention and MLP) in this family."""
+    layer = get_architecture(model).layers[0]
+    return sorted({name.rsplit(".", 1)[-1] for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def save_adapter(peft_model, out: str | Path, metadata: dict) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    peft_model.peft_config["default"].base_model_name_or_path = metadata["base_model"]
+    peft_model.save_pretrained(str(out), save_embedding_layers=False)  # none trained; skips a Hub lookup
+    (out / "README.md").unlink(missing_ok=True)  # peft's empty model-card template; the metadata says it all
+    (out / METADATA_FILE).write_text(json.dumps(metadata, indent=1) + "\n")
+
+
+def adapter_megabytes(directory: str | Path) -> float:
+    return sum(f.stat().st_size for f in Path(directory).iterdir() if f.is_file()) / 2**20
+
+
+def read_metadata(adapter_dir: str | Path) -> dict:
+    """The adapter's ``skipkey_adapter.json``, or a clear error about what is missing."""
+    directory = Path(adapter_dir).expanduser()
+    if not directory.is_dir():
+        raise InputError(f"adapter directory {str(adapter_dir)!r} does not exist; pass the folder "
+                         "`python -m skipkey finetune` wrote (e.g. assets/skipdecode-lora)")
+    missing = [name for name in (METADATA_FILE, *PEFT_FILES) if not (directory / name).is_file()]
+    if missing:
+        raise ModelLoadError(f"{directory} is not a SkipDecode adapter: {', '.join(missing)} missing "
+                             "(make one with `python -m skipkey finetune`)")
+    try:
+        meta = json.loads((directory / METADATA_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"Cannot read {directory / METADATA_FILE}: {error}") from error
+    if not isinstance(meta, dict) or meta.get("format") != ADAPTER_FORMAT:
+        raise ModelLoadError(f"{directory / METADATA_FILE} is not in the format {ADAPTER_FORMAT!r}")
+    return meta
+
+
+def check_compatible(meta: dict, loaded, where: str | Path = "the adapter") -> None:
+    """Refuse an adapter trained for another model (name, shape or weights)."""
+    trained_for = meta.get("base_model")
+    if trained_for != loaded.name:
+        raise ModelLoadError(f"the adapter in {where} was trained for model {trained_for!r}, not {loaded.name!r}; "
+                             f"load it with --model {trained_for}")
+    expected, actual = meta.get("base_fingerprint") or {}, fingerprint(loaded.model)
+    shape = [f"{k} {expected.get(k)} there, {actual[k]} here" for k in actual
+             if k != "layer0_abs_sum" and expected.get(k) != actual[k]]
+    if shape:
+        raise ModelLoadError(f"the adapter in {where} does not fit this {loaded.name!r} model: {'; '.join(shape)}")
+    checksum = expected.get("layer0_abs_sum")
+    if checksum is None or not math.isclose(checksum, actual["layer0_abs_sum"], rel_tol=WEIGHTS_RTOL):
+        raise ModelLoadError(f"the adapter in {where} was trained on other weights than this {loaded.name!r} "
+                             f"(layer-0 checksum {checksum} there, {actual['layer0_abs_sum']:.6g} here)")
+
+
+def _copy_for_merge(model, target_modules: list[str]):
+    """A copy of ``model`` whose LoRA-targeted weights are its own; every other tensor is shared.
+
+    The embedding (a 262k-row table for Gemma 3) is most of a small model and no
+    adapter touches it, so the tuned copy costs only the decoder layers' memory.
+    """
+    targeted = {id(m.weight) for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules}
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in targeted}
+    arch = cached_architecture(model)
+    if arch is not None:
+        memo[id(arch)] = None  # the copy gets its own architecture on first use
+    return copy.deepcopy(model, memo)
+
+
+def load_tuned(loaded, adapter_dir: str | Path):
+    """A NEW ``LoadedModel``: ``loaded``'s weights with the SkipDecode LoRA adapters merged in.
+
+    Refuses an adapter trained for another model. Named ``<name>+skipdecode-lora``;
+    ``loaded`` itself is unchanged, and the two share every tensor the adapters
+    do not touch.
+    """
+    from peft import PeftModel
+
+    meta = read_metadata(adapter_dir)
+    directory = Path(adapter_dir).expanduser()
+    check_compatible(meta, loaded, directory)
+    model = _copy_for_merge(loaded.model, meta.get("lora", {}).get("target_modules") or lora_targets(loaded.model))
+    try:
+        merged = PeftModel.from_pretrained(model, str(directory), is_trainable=False).merge_and_unload()
+    except Exception as error:  # peft raises many kinds, with long text
+        first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ModelLoadError(f"Could not apply the adapter in {directory}: {first}") from error
+    merged.eval()
+    merged.requires_grad_(False)
+    return LoadedModel(model=merged, tokenizer=loaded.tokenizer, name=f"{loaded.name}{TUNED_SUFFIX}",
+                       device=loaded.device, dtype=loaded.dtype)

@@ -1,0 +1,201 @@
+"""The prompts SkipKey measures and trains on, all generated in code or read from Python itself.
+
+* evaluation: ``ORDINARY_PROMPTS`` (held out from training), pass-key and
+  key-value ``retrieval_tasks`` in long filler, documents to continue and long
+  real text for perplexity (Python's help topics, ``pydoc_data``);
+* training: ``training_prompts``, seeded and varied, never one of the held-out ones.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from skipkey.errors import InputError
+
+ORDINARY_PROMPTS = [
+    "The history of the Roman Empire",
+    "To bake a loaf of sourdough bread, you first",
+    "The main differences between TCP and UDP are",
+    "Once upon a time, in a village by the sea, there lived",
+    "Photosynthesis is the process by which",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The best way to learn a new language is",
+    "Dear hiring manager, I am writing to apply for",
+    "In 1969, the Apollo 11 mission",
+    "The three laws of thermodynamics state that",
+    "A good night's sleep matters because",
+    "SELECT name, COUNT(*) FROM orders",
+    "The capital of Australia is Canberra, and the capital of Canada is",
+    "Climate change affects coastal cities by",
+    "Here is a recipe for a simple tomato soup:",
+    "The stock market fell sharply on Monday after",
+    "Machine learning models can overfit when",
+    "My favourite memory from childhood is",
+    "The following is a summary of the meeting:",
+    "Water boils at 100 degrees Celsius at sea level, but on a mountain",
+    "The rules of chess say that a bishop",
+    "An email to a colleague about the project deadline:",
+    "The French Revolution began in 1789 when",
+    "How to change a flat tyre: first,",
+]
+
+
+# -- evaluation ---------------------------------------------------------------------------------
+FILLER = [
+    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
+    "The river runs past the old mill.", "A cat sleeps on the warm wall.", "The market opens at dawn.",
+    "Clouds drift over the quiet hills.", "The baker lights the oven early.",
+]
+NAMES = ["Elena Marsh", "Tomas Reyes", "Aiko Tanaka", "Brigid Doyle", "Samir Haddad", "Ingrid Olsen",
+         "Kwame Mensah", "Lucia Ferri", "Oskar Lind", "Priya Nair"]
+WORDS = ["Bluefin", "Saffron", "Granite", "Marigold", "Falcon", "Juniper", "Cobalt", "Lantern", "Orchid", "Thistle"]
+
+
+@dataclass(frozen=True)
+class RetrievalTask:
+    prompt: str
+    answer: str
+    kind: str
+
+
+def _filler(rng: random.Random, tokenizer, tokens: int) -> str:
+    parts, count = [], 0
+    while count < tokens:
+        sentence = rng.choice(FILLER)
+        parts.append(sentence)
+        count += len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+    return " ".join(parts)
+
+
+def retrieval_tasks(tokenizer, length: int, samples: int, seed: int = 0) -> list[RetrievalTask]:
+    """Pass-key and key-value tasks of about ``length`` prompt tokens, the fact near the start."""
+    rng = random.Random(seed * 100003 + length)
+    tasks = []
+    for i in range(samples):
+        lead = _filler(rng, tokenizer, int(length * 0.05))
+        if i % 2 == 0:
+            key = str(rng.randint(10000, 99999))
+            head = (f"There is a pass key hidden in this text. Remember it.\n{lead}\n"
+                    f"The pass key is {key}. Remember it. {key} is the pass key.\n")
+            tail = "\nWhat is the pass key? The pass key is"
+            kind, answer = "passkey", key
+        else:
+            name, word = rng.choice(NAMES), rng.choice(WORDS)
+            head = f"Ship records.\n{lead}\nThe code name of the ship of {name} is {word}.\n"
+            tail = f"\nQuestion: what is the code name of the ship of {name}? Answer: The code name is"
+            kind, answer = "fact", word
+        used = len(tokenizer(head + tail)["input_ids"])
+        tasks.append(RetrievalTask(head + _filler(rng, tokenizer, max(0, length - used)) + tail, answer, kind))
+    return tasks
+
+
+def retrieved(text: str, answer: str) -> bool:
+    """Exact match of the first word the model produces."""
+    words = re.findall(r"[A-Za-z0-9]+", text)
+    return bool(words) and words[0] == answer
+
+
+def long_text_ids(tokenizer, tokens: int) -> list[int]:
+    """Real English prose: Python's help topics, concatenated (ships with Python)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return tokenizer(text, add_special_tokens=True)["input_ids"][:tokens]
+
+
+def document_prompts(tokenizer, count: int, tokens: int) -> list[str]:
+    """``count`` ordinary documents cut to about ``tokens`` tokens each, to be continued.
+
+    Python's help topics (installed with Python), taken from the end of the list so
+    they do not overlap the long-text perplexity passage, which starts at its head.
+    The KV budget is a share of the prompt, so agreement needs prompts long enough
+    for a budget to mean something: 25% of a 10-token prompt keeps two tokens.
+    """
+    from pydoc_data.topics import topics
+
+    long_enough = [topics[k] for k in sorted(topics, reverse=True) if len(topics[k]) >= 6 * tokens]
+    if count > len(long_enough):
+        raise InputError(f"at most {len(long_enough)} document prompts of {tokens} tokens exist here, asked {count}")
+    prompts = []
+    for text in long_enough[:count]:
+        ids = tokenizer(text.strip(), add_special_tokens=False)["input_ids"][:tokens]
+        prompts.append(tokenizer.decode(ids))
+    return prompts
+
+
+# -- training -----------------------------------------------------------------------------------
+TRAINING_PROMPTS_VERSION = 1  # bump when training_prompts changes, so cached training data is rebuilt
+SUBJECTS = [
+    "volcanoes", "the printing press", "honeybees", "public libraries", "the violin", "glaciers",
+    "the Silk Road", "vaccines", "coral reefs", "the steam engine", "jazz", "origami", "lighthouses",
+    "the human heart", "black holes", "green tea", "the Great Wall of China", "penguins", "solar panels",
+    "the Renaissance", "earthquakes", "bicycles", "rainforests", "the immune system", "railways", "cheese",
+    "typewriters", "the Olympic Games", "deserts", "electric cars", "the Internet", "mushrooms", "windmills",
+    "ancient Egypt", "the piano", "recycling", "submarines", "the alphabet", "hurricanes", "the Vikings",
+    "suspension bridges", "coffee", "telescopes", "wolves", "the Amazon River", "paper money", "clocks",
+    "butterflies", "the Industrial Revolution", "museums", "satellites", "rice farming", "the Sahara",
+    "vitamins", "castles", "photography", "octopuses", "democracy", "gardening", "the Byzantine Empire",
+    "spreadsheets", "compilers", "the blockchain", "sewing machines", "opera", "marathons", "maple syrup",
+]
+TEMPLATES = [
+    "The history of {s} begins", "A short introduction to {s}.\n\n", "Here are five facts about {s}:\n1.",
+    "Q: What should everyone know about {s}?\nA:", "Chapter 1: {S}\n\n", "My grandmother often told me about {s}.",
+    "Encyclopedia entry: {S}.", "In this essay I will argue that {s}", "Notes from a lecture on {s}:",
+    "The most surprising thing about {s} is", "A children's story about {s}. Once", "Title: A beginner's guide to {s}\n\n",
+    "Scientists who study {s} recently found", "Just learned something amazing about {s}!",
+    "An interview with an expert on {s}.\nQ:", "Pros and cons of {s}:\n-", "A poem about {s}:\n\n",
+    "Dear diary, today I visited an exhibition about {s}.", "If you have ever wondered about {s},",
+]
+CODE_PROMPTS = [
+    "def parse_config(path):\n", "class Inventory:\n    \"\"\"", "import os\nimport sys\n\n\ndef main():\n",
+    "# Read a CSV file and print the average of each column\nimport csv\n", "function debounce(fn, wait) {\n",
+    "#include <stdio.h>\n\nint main(void) {\n", "<!DOCTYPE html>\n<html>\n<head>\n  <title>",
+    "def merge_sorted(a, b):\n    \"\"\"", "CREATE TABLE users (\n", "$ git log --oneline\n",
+    "fn main() {\n    let", "public class Point {\n    private", "for (let i = 0; i < items.length; i++) {\n",
+    "def is_prime(n: int) -> bool:\n", "# Installation\n\nTo install the package, run", "import numpy as np\n\n",
+]
+
+
+def _doc_passages() -> list[str]:
+    """Prose paragraphs of Python's help topics (``pydoc_data``, shipped with Python)."""
+    from pydoc_data.topics import topics
+
+    passages = []
+    for key in sorted(topics):
+        for para in topics[key].split("\n\n"):
+            text = " ".join(para.split())
+            if para[:1].isalpha() and len(text) > 80 and not set(text) & set("*=|"):
+                passages.append(text)
+    return passages
+
+
+def training_prompts(count: int, seed: int = 0) -> list[str]:
+    """``count`` distinct prompts, seeded: half topic templates, a fifth code, the rest help-text openings.
+
+    None is one of ``ORDINARY_PROMPTS`` (the held-out prompts), and the subjects
+    avoid their topics.
+    """
+    rng = random.Random(seed)
+    passages = _doc_passages()
+    held_out = set(ORDINARY_PROMPTS)
+    prompts: list[str] = []
+    seen = set(held_out)
+    while len(prompts) < count:
+        kind = len(prompts) % 10
+        if kind < 5:
+            subject = rng.choice(SUBJECTS)
+            prompt = rng.choice(TEMPLATES).format(s=subject, S=subject[:1].upper() + subject[1:])
+        elif kind < 7:
+            prompt = rng.choice(CODE_PROMPTS)
+            if prompt in seen:  # few code openers: vary them by a preceding comment
+                prompt = f"# {rng.choice(SUBJECTS)} helper, version {rng.randint(2, 99)}\n{prompt}"
+        else:
+            words = rng.choice(passages).split()
+            prompt = " ".join(words[: rng.randint(8, 30)])
+        if prompt not in seen:
+            seen.add(prompt)
+            prompts.append(prompt)
+    assert not held_out & set(prompts)
+    return prompts
