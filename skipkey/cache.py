@@ -35,7 +35,7 @@ class LayerCache:
     """Keys, values, their positions and (for scoring policies) accumulated scores."""
 
     __slots__ = ("keys", "values", "positions", "scores", "window", "used", "held", "dense", "reuse",
-                 "settled", "full_from")
+                 "settled", "full_from", "free_slot")
 
     def __init__(self, window: int | None):
         self.window = window
@@ -53,6 +53,7 @@ class LayerCache:
         self.settled = False  # storage is the preallocated buffer (after the prompt pass)
         # Evicting layers: the fewest tokens any row and head holds; every slot is full at that count.
         self.full_from = 0
+        self.free_slot = None  # [B, Hp, 1]: the slot each row and head freed last, if one each
 
     def __len__(self) -> int:
         return self.held
@@ -113,11 +114,16 @@ class LayerCache:
                 self.scores[:, :, self.used:end] = 0.0
             self.used = end
         else:
-            slot = self.positions.argmin(dim=-1, keepdim=True)  # [B, Hp, 1]: EMPTY (capacity keeps one)
-            b, hkv, _, d = self.keys.shape
-            kv_slot = slot[..., None].expand(b, hkv, 1, d)
-            self.keys.scatter_(2, kv_slot, keys)
-            self.values.scatter_(2, kv_slot, values)
+            slot = self.free_slot if self.free_slot is not None else \
+                self.positions.argmin(dim=-1, keepdim=True)  # [B, Hp, 1]: EMPTY (capacity keeps one)
+            self.free_slot = None
+            b, hkv, capacity, d = self.keys.shape
+            # One slot per row and KV head. index_put_, not scatter_: CPU scatter_ copies a whole
+            # bfloat16 tensor (250 us for a 2 MB layer), which is what this storage exists to avoid.
+            heads = torch.arange(b * hkv, device=slot.device)
+            where = (heads, slot.expand(b, hkv, 1).reshape(-1))
+            self.keys.view(b * hkv, capacity, d).index_put_(where, keys.reshape(b * hkv, d))
+            self.values.view(b * hkv, capacity, d).index_put_(where, values.reshape(b * hkv, d))
             self.positions.scatter_(-1, slot, positions[:, None, :].expand_as(slot))
             if self.scores is not None:
                 self.scores.scatter_(-1, slot.expand(b, self.scores.shape[1], 1), 0.0)
@@ -209,11 +215,23 @@ class LayerCache:
                 self.scores = self.scores.expand(b, heads, -1).contiguous()
         live = self.positions[..., :self.used]
         live.masked_fill_(~keep, EMPTY)
+        self.free_slot = None
         self.held, self.full_from = held, fewest
         if not self.settled:
             self._compact(keep, held, capacity)
             self.settled = self.reuse = True
         self.dense = fewest >= self.used
+
+    def free(self, slot: torch.Tensor):
+        """Free one slot per row and head (``slot`` [B, H, 1]); the next token is written there."""
+        heads = slot.shape[1]
+        if self.positions.shape[1] != heads:
+            self.positions = self.positions.expand(slot.shape[0], heads, -1).contiguous()
+        self.positions.scatter_(-1, slot, EMPTY)
+        self.free_slot = slot
+        self.held -= 1
+        self.full_from -= 1
+        self.dense = False
 
     def _compact(self, keep: torch.Tensor, held: int, capacity: int):
         """Gather the kept slots (per row and head) to the front of fresh storage, in position order."""

@@ -160,18 +160,20 @@ class Engine:
             retention.after(state.cache.layers[idx], step, positions + 1)
         return arch.head(hidden)[:, -1]
 
-    def step_state(self, cache: KVCache, query_positions: torch.Tensor, step: int, total_steps: int) -> StepState:
+    def step_state(self, cache: KVCache, query_positions: torch.Tensor, step: int, total_steps: int,
+                   position_limit: int) -> StepState:
         """What the attention function needs for one forward: the cache, the positions, the KV scoring."""
         kv = self.kv
         dense = query_positions.shape[1] == 1 or bool((query_positions >= 0).all())
         if kv is None or not kv.needs_scores or (step > 0 and not kv.scores_while_decoding):
             return StepState(cache=cache, query_positions=query_positions, dense=dense)
 
-        def contribution(logits, where):
-            return kv.contribution(logits, step, total_steps, where)
+        def contribution(logits, where, probs=None):
+            return kv.contribution(logits, step, total_steps, where, probs)
 
         return StepState(cache=cache, query_positions=query_positions, dense=dense, contribution=contribution,
-                         accumulate=kv.accumulates, observe=kv.prompt_observe if step == 0 else 0)
+                         accumulate=kv.accumulates, observe=kv.prompt_observe if step == 0 else 0,
+                         position_limit=position_limit)
 
     # -- loop -------------------------------------------------------------------
     @torch.inference_mode()
@@ -197,7 +199,8 @@ class Engine:
         # Token 0: the prompt at full depth.
         started = time.perf_counter()
         needs_importance = self.skip is not None and self.skip.needs_importance
-        state = self.step_state(cache, batch.positions, 0, total_steps)
+        longest = max(batch.lengths)
+        state = self.step_state(cache, batch.positions, 0, total_steps, longest)
         logits, importance = self.prefill(batch.input_ids, batch.positions, state, retention, needs_importance)
         plan = self.skip.plan(self.arch.num_layers, importance) if self.skip is not None else None
         token, scored = choose(0, logits)
@@ -214,7 +217,7 @@ class Engine:
                 if idx not in layers:
                     cache.layers[idx].clear()  # E(t) only shrinks: this layer never runs again
             feed = events.feed(token)
-            state = self.step_state(cache, next_pos[:, None], step, total_steps)
+            state = self.step_state(cache, next_pos[:, None], step, total_steps, longest + step)
             logits = self.decode_one_token(feed, next_pos, layers, state, retention, step)
             next_pos = next_pos + 1
             choose.extend(feed)

@@ -58,11 +58,10 @@ class Budgets:
         keep = [policy.budget_tokens(n) for n in lengths]
         return cls(torch.tensor(keep, device=device), torch.tensor([policy.recent_tokens(k) for k in keep],
                                                                   device=device),
-                   torch.tensor(lengths, device=device))
+                   torch.tensor(lengths, device=device), max(keep), min(keep))
 
-    @property
-    def most(self) -> int:
-        return int(self.keep.max())
+    most: int  # the largest and smallest budget in the batch, as Python ints (no device sync)
+    least: int
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,10 @@ class KVPolicy:
         """[B, 1 or Hkv, S]: higher is kept first (the recent window is always kept)."""
         raise NotImplementedError
 
-    def contribution(self, logits: torch.Tensor, step: int, total_steps: int, where) -> torch.Tensor:
-        """Score added by each query: ``logits`` [B, Hkv, G, q, S] (-inf where masked)."""
+    def contribution(self, logits: torch.Tensor, step: int, total_steps: int, where,
+                     probs: torch.Tensor | None = None) -> torch.Tensor:
+        """Score added by each query: ``logits`` [B, Hkv, G, q, S] (-inf where masked); ``probs``, when
+        given, is ``softmax(logits)`` already computed for the attention output."""
         raise NotImplementedError
 
     def after_prompt(self, layer) -> None:
@@ -134,6 +135,8 @@ class KVPolicy:
         """
         if not layer.settled:
             self.after_prompt(layer)
+        elif due and self._evict_one(layer, budgets, next_positions):
+            return
         positions = layer.positions[..., :layer.used]
         rows = positions.shape[0]
         prio = self.priority(layer, next_positions, budgets)[..., :layer.used]
@@ -156,6 +159,29 @@ class KVPolicy:
             real = torch.arange(most, device=positions.device) < excess[..., None]
             valid = valid & ~torch.zeros_like(valid).scatter_(-1, victims, real)
         layer.keep_only(valid, held=held, fewest=fewest, capacity=capacity)
+
+    def _evict_one(self, layer, budgets: Budgets, next_positions: torch.Tensor) -> bool:
+        """The steady state, in a handful of ops: every row and head holds one token too many.
+
+        A global layer then drops its lowest-priority unprotected slot; a sliding layer
+        whose budget covers its window drops the token that just left the window (its
+        oldest). Returns False where that does not hold (the general path decides).
+        """
+        if layer.full_from != layer.used or layer.held != layer.used:
+            return False  # some row or head has a free slot: counts differ
+        positions = layer.positions
+        if layer.window is not None:
+            if budgets.least < layer.window - 1 or layer.held != layer.window:
+                return False
+            victim = positions.argmin(dim=-1, keepdim=True)
+        else:
+            if budgets.most != budgets.least or layer.held != budgets.most + 1:
+                return False
+            prio = self.priority(layer, next_positions, budgets)
+            protected = positions >= (next_positions - budgets.recent)[:, None, None]
+            victim = torch.where(protected, _PROTECTED, prio.float()).argmin(dim=-1, keepdim=True)
+        layer.free(victim)
+        return True
 
 
 @dataclass(frozen=True)
@@ -251,8 +277,8 @@ class H2OPolicy(KVPolicy):
         seen = (next_positions[:, None, None] - first_query).clamp(min=1)
         return layer.scores / seen
 
-    def contribution(self, logits, step, total_steps, where):
-        return torch.softmax(logits, dim=-1)
+    def contribution(self, logits, step, total_steps, where, probs=None):
+        return probs if probs is not None else torch.softmax(logits, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -279,10 +305,12 @@ class KeyformerPolicy(H2OPolicy):
     def temperature(self, step: int, total_steps: int) -> float:
         return self.tau_init + (self.tau_end - self.tau_init) * step / max(1, total_steps)
 
-    def contribution(self, logits, step, total_steps, where):
+    def contribution(self, logits, step, total_steps, where, probs=None):
         if self.noise:
             logits = logits + gumbel_noise(self.seed, where, logits.shape)
         tau = self.temperature(step, total_steps)
+        if tau == 1.0 and probs is not None and not self.noise:
+            return probs
         return torch.softmax(logits / tau if tau != 1.0 else logits, dim=-1)
 
 
@@ -305,8 +333,8 @@ class TOVAPolicy(KVPolicy):
     def priority(self, layer, next_positions, budgets):
         return layer.scores.mean(dim=1, keepdim=True)
 
-    def contribution(self, logits, step, total_steps, where):
-        return torch.softmax(logits, dim=-1)
+    def contribution(self, logits, step, total_steps, where, probs=None):
+        return probs if probs is not None else torch.softmax(logits, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -344,8 +372,8 @@ class SnapKVPolicy(KVPolicy):
         # generated tokens the newer ones rank higher.
         return torch.where(prompt, layer.scores, -1.0 / (2.0 + layer.positions.float()))
 
-    def contribution(self, logits, step, total_steps, where):
-        return torch.softmax(logits, dim=-1)
+    def contribution(self, logits, step, total_steps, where, probs=None):
+        return probs if probs is not None else torch.softmax(logits, dim=-1)
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -389,20 +417,49 @@ def gumbel_noise(seed: int, where, shape) -> torch.Tensor:
     b, hkv, groups, q, s = shape
     qpos = where.query_positions
     device = qpos.device
-    head = torch.arange(hkv * groups, device=device).view(1, hkv, groups, 1)
-    base = _mix(_mix(torch.tensor(seed, device=device) * 0x9E3779B1 + where.layer) + head * 0x632BE5AB)
-    query_hash = _mix(base + qpos[:, None, None, :] * 0x85EBCA77)  # [B, Hkv, G, q]
-    row = (query_hash & (NOISE_ROWS - 1)) * (2 * NOISE_COLS)
-    shift = _shr(query_hash, 40) & (NOISE_COLS - 1)
-    table = _noise_table(seed, str(device)).view(-1)
+    row, shift = _query_draws(seed, where.layer, hkv, groups, device, qpos, where.position_limit)
+    table = _noise_table(seed, str(device))
     if where.key_start is not None and s <= NOISE_COLS:
-        # Consecutive key positions: one contiguous run of the doubled row per query.
-        first = row + ((where.key_start[:, None, None, None] + shift) & (NOISE_COLS - 1))
-        index = first[..., None] + torch.arange(s, device=device)
-    else:
-        kpos = where.key_positions.expand(b, hkv, s)[:, :, None, None, :]
-        index = row[..., None] + ((kpos + shift[..., None]) & (NOISE_COLS - 1))
-    return table[index]
+        # Consecutive key positions: each query reads one contiguous run of its doubled row.
+        start = (where.key_start[:, None, None, None] + shift) & (NOISE_COLS - 1)
+        return table.unfold(1, s, 1)[row, start]
+    kpos = where.key_positions.expand(b, hkv, s)[:, :, None, None, :]
+    return table.view(-1)[(row * (2 * NOISE_COLS))[..., None] + ((kpos + shift[..., None]) & (NOISE_COLS - 1))]
+
+
+QUERY_TABLE_MAX = 1 << 14  # positions whose (row, rotation) are tabulated per layer; later ones are hashed
+
+
+def _query_draws(seed: int, layer: int, hkv: int, groups: int, device, qpos: torch.Tensor,
+                 limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's table row and rotation, ``[B, Hkv, G, q]`` each: a hash of (seed, layer, head, position).
+
+    Decode steps look them up in a per-layer table of every position (one gather
+    instead of a dozen integer ops per layer and step).
+    """
+    if limit is not None and limit <= QUERY_TABLE_MAX:
+        count = max(1024, 1 << (limit - 1).bit_length())
+        rows, shifts = _query_table(seed, layer, hkv, groups, device, count)
+        return rows[:, :, qpos].permute(2, 0, 1, 3), shifts[:, :, qpos].permute(2, 0, 1, 3)
+    return _query_hash(seed, layer, hkv, groups, device, qpos[:, None, None, :])
+
+
+def _query_hash(seed, layer, hkv, groups, device, qpos):
+    query_hash = _mix(_noise_base(seed, layer, hkv, groups, device) + qpos * 0x85EBCA77)
+    return query_hash & (NOISE_ROWS - 1), _shr(query_hash, 40) & (NOISE_COLS - 1)
+
+
+@functools.lru_cache(maxsize=512)
+def _query_table(seed, layer, hkv, groups, device, count):
+    rows, shifts = _query_hash(seed, layer, hkv, groups, device, torch.arange(count, device=device)[None])
+    return rows[0], shifts[0]  # [Hkv, G, count]
+
+
+@functools.lru_cache(maxsize=256)
+def _noise_base(seed: int, layer: int, hkv: int, groups: int, device) -> torch.Tensor:
+    """The per-(seed, layer, query head) part of the noise hash, ``[1, Hkv, G, 1]``: computed once."""
+    head = torch.arange(hkv * groups, device=device).view(1, hkv, groups, 1)
+    return _mix(_mix(torch.tensor(seed, device=device) * 0x9E3779B1 + layer) + head * 0x632BE5AB)
 
 
 _TOP_UNIFORM = 1.0 - 2.0 ** -24  # the largest float32 below 1

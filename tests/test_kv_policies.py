@@ -245,3 +245,18 @@ def test_keyformer_scores_stay_finite_on_a_long_prompt_and_every_head_keeps_its_
     for event in trace.events:
         for kept in event.kept:
             assert ((kept[0] >= 0).sum(-1) == k).all()
+
+
+def test_gumbel_noise_is_the_same_through_every_fast_path():
+    """The tabulated per-query draws and the contiguous-key read give exactly the hashed noise."""
+    from skipkey.attention import NoiseIndex
+    from skipkey.kv_policies import gumbel_noise
+
+    qpos = torch.tensor([[5, 6, 7, 8], [0, 1, 2, 3]])
+    kpos = torch.stack([torch.arange(-3, 57), torch.arange(-8, 52)])[:, None, :]
+    shape = (2, 2, 3, 4, 60)
+    hashed = gumbel_noise(11, NoiseIndex(4, qpos, kpos), shape)
+    tabulated = gumbel_noise(11, NoiseIndex(4, qpos, kpos, position_limit=9), shape)
+    contiguous = gumbel_noise(11, NoiseIndex(4, qpos, kpos, key_start=kpos[:, 0, 0], position_limit=9), shape)
+    torch.testing.assert_close(tabulated, hashed, rtol=0, atol=0)
+    torch.testing.assert_close(contiguous, hashed, rtol=0, atol=0)
