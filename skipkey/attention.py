@@ -40,6 +40,9 @@ class StepState:
     accumulate: bool = True  # add each step's contribution (H2O, Keyformer) or replace it (TOVA)
     observe: int = 0  # prompt scores from each row's last ``observe`` queries only (0: all)
     position_limit: int | None = None  # every query position is below this
+    # When set, each layer's prompt queries, keys, values and scale are kept here by layer index,
+    # so several KV policies can later start from one prompt pass (``score_prompt``).
+    capture: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -205,10 +208,12 @@ def skipkey_attention(module, query, key, value, attention_mask, dropout: float 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     layer = skipkey.cache.layers[module.layer_idx]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if skipkey.capture is not None:
+        skipkey.capture[module.layer_idx] = (query, key, value, scale)
     key, value = layer.write(key, value, skipkey.query_positions, skipkey.dense)
     positions = layer.visible_positions()
     mask = _mask_for_output(layer, positions, skipkey.query_positions)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if skipkey.contribution is not None and query.shape[2] == 1:
         return _attend_and_score(layer, module.layer_idx, query, key, value, scale, positions, mask, skipkey), None
     out, _ = sdpa_attention_forward(module, query, key, value, _expand_heads(mask, query.shape[1]), dropout=0.0,
@@ -217,6 +222,15 @@ def skipkey_attention(module, query, key, value, attention_mask, dropout: float 
         accumulate_scores(layer, module.layer_idx, query, key, scale, skipkey.query_positions,
                           skipkey.contribution, skipkey.observe, skipkey.position_limit)
     return out, None
+
+
+def score_prompt(layer, layer_idx: int, captured, state: StepState) -> None:
+    """Fill a layer's cache from a recorded prompt pass, scoring it as the attention function would have."""
+    query, key, value, scale = captured
+    key, _ = layer.write(key, value, state.query_positions, state.dense)
+    if state.contribution is not None:
+        accumulate_scores(layer, layer_idx, query, key, scale, state.query_positions, state.contribution,
+                          state.observe, state.position_limit)
 
 
 def install_attention(model) -> None:

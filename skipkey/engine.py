@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from skipkey.architectures import get_architecture
-from skipkey.attention import StepState
+from skipkey.attention import StepState, score_prompt
 from skipkey.cache import EMPTY, KVCache
 from skipkey.config import GenerationSettings, validate_prompt_ids
 from skipkey.errors import InputError
@@ -148,6 +148,32 @@ class Engine:
             hidden = out
         return arch.head(hidden[:, -1:])[:, -1], importance
 
+    def replay_prefill(self, recorded: "PromptPass", state: StepState,
+                       retention: "_Retention") -> tuple[torch.Tensor, list[float] | None]:
+        """``prefill`` from a recorded prompt pass: each layer's cache is filled and scored, no layer runs."""
+        next_positions = recorded.positions.max(dim=1).values + 1
+        for idx in range(self.arch.num_layers):
+            score_prompt(state.cache.layers[idx], idx, recorded.captured[idx], state)
+            retention.after(state.cache.layers[idx], 0, next_positions)
+        return recorded.logits, list(recorded.importance)
+
+    @torch.inference_mode()
+    def prompt_pass(self, prompts) -> "PromptPass":
+        """Run the prompt once at full depth and keep what every KV policy starts from.
+
+        The prompt pass is the same whatever the policy (eviction starts after it), so
+        an evaluation of many policies and budgets runs it once per prompt and hands
+        the result to ``generate(..., prompt_pass=...)``. It holds each layer's prompt
+        queries, keys and values: about twice the full prompt cache.
+        """
+        batch = _Batch.build(self.encode(prompts, 1), self.pad_id, self.device)
+        cache = KVCache([info.sliding_window for info in self.arch.layer_info])
+        captured: dict[int, tuple] = {}
+        dense = bool((batch.positions >= 0).all())
+        state = StepState(cache=cache, query_positions=batch.positions, dense=dense, capture=captured)
+        logits, importance = self.prefill(batch.input_ids, batch.positions, state, _Retention(None, batch, 1), True)
+        return PromptPass(batch, [captured[i] for i in range(self.arch.num_layers)], logits, tuple(importance))
+
     def decode_one_token(self, tokens: torch.Tensor, positions: torch.Tensor, layers: Sequence[int],
                          state: StepState, retention: "_Retention", step: int) -> torch.Tensor:
         """Feed one token per row through ``layers``; a skipped layer is the identity."""
@@ -179,8 +205,12 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompts, settings: GenerationSettings | None = None, *,
                  stop: threading.Event | None = None, record: bool = False,
-                 forced: Sequence[Sequence[int]] | None = None) -> Iterator[StepEvent]:
+                 forced: Sequence[Sequence[int]] | None = None,
+                 prompt_pass: "PromptPass | None" = None) -> Iterator[StepEvent]:
         """Yield one ``StepEvent`` per produced token until EOS, ``max_new_tokens`` or ``stop``.
+
+        ``prompt_pass`` (from ``Engine.prompt_pass`` on the same prompts and model)
+        starts from that recorded prompt pass instead of running the prompt again.
 
         ``forced`` (one equal-length token list per row) teacher-forces the output
         through the real cached decode, eviction included, and records each forced
@@ -201,7 +231,11 @@ class Engine:
         needs_importance = self.skip is not None and self.skip.needs_importance
         longest = max(batch.lengths)
         state = self.step_state(cache, batch.positions, 0, total_steps, longest)
-        logits, importance = self.prefill(batch.input_ids, batch.positions, state, retention, needs_importance)
+        if prompt_pass is not None:
+            prompt_pass.check(batch)
+            logits, importance = self.replay_prefill(prompt_pass, state, retention)
+        else:
+            logits, importance = self.prefill(batch.input_ids, batch.positions, state, retention, needs_importance)
         plan = self.skip.plan(self.arch.num_layers, importance) if self.skip is not None else None
         token, scored = choose(0, logits)
         yield events.build(0, token, all_layers, started, scored, importance=importance,
@@ -258,6 +292,24 @@ class _Batch:
             input_ids[r, width - len(ids):] = torch.tensor(ids)
             positions[r, width - len(ids):] = torch.arange(len(ids))
         return cls(input_ids.to(device), positions.to(device), [len(p) for p in prompt_ids])
+
+
+@dataclass(frozen=True)
+class PromptPass:
+    """A recorded prompt pass (``Engine.prompt_pass``): per layer (queries, keys, values, scale)."""
+
+    batch: _Batch
+    captured: list[tuple]
+    logits: torch.Tensor
+    importance: tuple[float, ...]
+
+    def check(self, batch: _Batch) -> None:
+        if batch.lengths != self.batch.lengths or not torch.equal(batch.input_ids, self.batch.input_ids):
+            raise InputError("the recorded prompt pass is for other prompts")
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.batch.positions
 
 
 class _Retention:
@@ -357,4 +409,4 @@ class _EventBuilder:
                          greedy=scored[1] if scored else None)
 
 
-__all__ = ["Engine", "InputError", "StepEvent", "logits_processors"]
+__all__ = ["Engine", "InputError", "PromptPass", "StepEvent", "logits_processors"]

@@ -260,3 +260,33 @@ def test_gumbel_noise_is_the_same_through_every_fast_path():
     contiguous = gumbel_noise(11, NoiseIndex(4, qpos, kpos, key_start=kpos[:, 0, 0], position_limit=9), shape)
     torch.testing.assert_close(tabulated, hashed, rtol=0, atol=0)
     torch.testing.assert_close(contiguous, hashed, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_one_recorded_prompt_pass_serves_every_policy(tiny_models, family):
+    """Decoding from a shared prompt pass is decoding after running the prompt: same tokens, same kept sets."""
+    lm = tiny_models(family)
+    prompts = [LONG, PROMPTS[0]]
+    settings = GenerationSettings(max_new_tokens=8)
+    recorded = Engine(lm).prompt_pass(prompts)
+    specs = [("full", {}), ("keyformer", {}), ("keyformer", dict(observe=8, pool=3, normalize=True)),
+             ("h2o", {}), ("tova", {}), ("snapkv", dict(observe=6)), ("streaming", {})]
+    for name, options in specs:
+        for budget in (0.3, 0.7):
+            engine = Engine(lm, kv=make_kv_policy(name, budget, **options))
+            fresh = Trace.collect(engine, prompts, settings, record=True)
+            shared = Trace.for_engine(engine)
+            for event in engine.generate(prompts, settings, record=True, prompt_pass=recorded):
+                shared.add(event)
+            for row in range(len(prompts)):
+                assert shared.tokens(row) == fresh.tokens(row), (name, options, budget, row)
+            for a, b in zip(fresh.events, shared.events):
+                for x, y in zip(a.kept, b.kept):
+                    np.testing.assert_array_equal(x, y)
+
+
+def test_a_recorded_prompt_pass_refuses_other_prompts(tiny_models):
+    lm = tiny_models("llama")
+    recorded = Engine(lm).prompt_pass([LONG])
+    with pytest.raises(InputError, match="other prompts"):
+        next(Engine(lm, kv=make_kv_policy("h2o", 0.5)).generate([PROMPTS[0]], prompt_pass=recorded))
