@@ -20,6 +20,7 @@ Python, so tests call it directly with a tiny model.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import threading
@@ -36,7 +37,7 @@ from skipkey.errors import InputError
 from skipkey.kv_policies import KV_POLICIES, KVPolicy, make_kv_policy, policy_options
 from skipkey.loading import EMBEDDED, LoadedModel
 from skipkey.lora import load_tuned
-from skipkey.metrics import Compute, Speed, agreement, compute, kv_share, memory, rouge_l, speed
+from skipkey.metrics import Compute, Speed, agreement, compute, kv_share, memory, rouge_l, speed, traffic
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES, SkipDecode, make_skipdecode
 from skipkey.trace import Trace
@@ -372,6 +373,9 @@ def compare(loaded: LoadedModel, request: ComparisonRequest, stop: threading.Eve
 
     Alternating ``next()`` on the two generators keeps both under the same machine
     load, and each side's timings are its own steps only (``StepEvent.seconds``).
+    Which side steps first changes from round to round (``step_order``): work that
+    lands right after an update (the browser redrawing the page on this machine)
+    then falls on both sides alike.
     Yields the two (growing) traces after every pair of steps. ``stop`` ends both;
     closing this generator closes both engine loops, which frees their caches.
     """
@@ -385,8 +389,11 @@ def compare(loaded: LoadedModel, request: ComparisonRequest, stop: threading.Eve
                skipkey.generate([request.prompt], request.settings, stop=stop, record=True)]
     live = [True, True]
     try:
-        while any(live):
-            for side, stream in enumerate(streams):
+        for round_ in itertools.count():
+            if not any(live):
+                break
+            for side in step_order(round_):
+                stream = streams[side]
                 if live[side]:
                     event = next(stream, None)
                     if event is None:
@@ -401,6 +408,21 @@ def compare(loaded: LoadedModel, request: ComparisonRequest, stop: threading.Eve
     finally:
         for stream in streams:
             stream.close()
+
+
+def step_order(round_: int) -> tuple[int, int]:
+    """Which side (0 = full, 1 = SkipKey) steps first in round ``round_``.
+
+    A plain alternation hands every redraw to the same side whenever the page
+    redraws every even number of rounds. The golden-ratio (Weyl) sequence instead
+    is equidistributed along every arithmetic progression of rounds, so whatever
+    the redraw cadence, the round after each redraw starts with either side half
+    of the time.
+    """
+    return (1, 0) if (round_ * _GOLDEN) % 1.0 >= 0.5 else (0, 1)
+
+
+_GOLDEN = (5 ** 0.5 - 1) / 2
 
 
 HISTORY_STEPS = 128  # steps whose kept positions a finished run holds for the step slider
@@ -443,6 +465,7 @@ class SideMetrics:
     kv_percent: float
     compute: Compute | None = None  # SkipKey's side only
     measured_speedup: float | None = None
+    traffic_ratio: float | None = None  # the full model's bytes read per step over SkipKey's
 
     def markdown(self) -> str:
         s = self.speed
@@ -453,7 +476,9 @@ class SideMetrics:
         ]
         if self.compute is not None:
             lines.append(f"**{_fmt(self.compute.mean_layers, '{:.1f}')}** layers/token · nominal speedup "
-                         f"**{_fmt(self.compute.nominal_speedup, '{:.2f}')}x** · measured "
+                         f"**{_fmt(self.compute.nominal_speedup, '{:.2f}')}x** · compute ratio "
+                         f"**{_fmt(self.compute.compute_ratio, '{:.2f}')}x** · bytes per step "
+                         f"**{_fmt(self.traffic_ratio, '{:.2f}')}x** · measured "
                          f"**{_fmt(self.measured_speedup, '{:.2f}')}x**")
         return "  \n".join(lines)
 
@@ -467,8 +492,10 @@ def side_metrics(trace: Trace, reference: Trace | None = None) -> SideMetrics:
     ref_timing = speed(reference)
     measured = (ref_timing.ms_per_token_p50 / timing.ms_per_token_p50
                 if timing.decode_tokens and ref_timing.decode_tokens else float("nan"))
+    ours, theirs = traffic(trace), traffic(reference)
     return SideMetrics(timing, held / 1e6, 100.0 * kv_share(trace, reference), compute=compute(trace),
-                       measured_speedup=measured)
+                       measured_speedup=measured,
+                       traffic_ratio=theirs.total / ours.total if ours and theirs else None)
 
 
 def agreement_summary(full: Trace, skipkey: Trace, tokenizer=None, final: bool = False) -> str:

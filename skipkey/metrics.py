@@ -102,6 +102,33 @@ def step_cost(trace: Trace) -> StepCost | None:
 
 
 @dataclass(frozen=True)
+class Traffic:
+    """Bytes a decode step reads, on average: the weights of the layers it runs (and the LM head), plus
+    the KV cache those layers hold. Decode is memory-bound, so the ratio of two runs' bytes per step is
+    the speedup a machine's memory bandwidth allows: the limit a measured ratio is set against."""
+
+    weight_bytes: float
+    kv_bytes: float
+
+    @property
+    def total(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "bytes_per_step": self.total}
+
+
+def traffic(trace: Trace) -> Traffic | None:
+    """Mean bytes per decode step, or None without decode steps or a known weight size."""
+    events = trace.decode_events
+    if not events or not trace.bytes_per_param:
+        return None
+    params = [len(e.layers) * trace.layer_cost + trace.head_cost for e in events]
+    return Traffic(weight_bytes=float(np.mean(params)) * trace.bytes_per_param,
+                   kv_bytes=float(np.mean([e.kv_bytes for e in events])))
+
+
+@dataclass(frozen=True)
 class Memory:
     kv_bytes_final: int
     kv_bytes_peak: int  # largest cache held after any step

@@ -20,6 +20,7 @@ class Trace:
     layer_cost: float  # parameters per decoder layer (mean): compute per token per layer
     head_cost: float  # LM-head parameters: compute per token that never skips
     label: str = ""
+    bytes_per_param: float = 0.0  # of the weights, for the bytes a step reads (0: unknown)
     events: list[StepEvent] = field(default_factory=list)
     stopped: bool = False
 
@@ -28,7 +29,8 @@ class Trace:
         arch = engine.arch
         layer_cost = sum(arch.layer_params(i) for i in range(arch.num_layers)) / arch.num_layers
         return cls(num_layers=arch.num_layers, layer_cost=float(layer_cost),
-                   head_cost=float(arch.lm_head_params), label=label)
+                   head_cost=float(arch.lm_head_params), label=label,
+                   bytes_per_param=float(next(engine.model.parameters()).element_size()))
 
     @classmethod
     def collect(cls, engine: Engine, prompts, settings=None, *, stop: threading.Event | None = None,
