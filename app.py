@@ -41,6 +41,7 @@ from skipkey.app_logic import (
     thin_history,
 )
 from skipkey.errors import InputError, ModelLoadError
+from skipkey.kv_policies import RECOMMENDED_OPTIONS
 
 log = logging.getLogger("skipkey.app")
 
@@ -79,19 +80,22 @@ RETRIEVAL_PROMPT = (
     + "".join(f"Note {i}: {_RETRIEVAL_FILLER}\n\n" for i in range(2, 7))
     + "Question: What is the code to open the archive room?\nAnswer: The code to open the archive room is"
 )
-# prompt, max new tokens, KV eviction on, KV budget %, recent window %.
+# prompt, max new tokens, KV eviction on, KV policy, KV budget %, recent window %, observe, pool.
 # Short prompts leave a budget of a few tokens (it is a share of the prompt), so they run with the full cache.
 # In the retrieval prompt the first digit of the code comes from the prompt pass; the others need the cache
-# to still hold Note 1: on the embedded model, keyformer at 50% keeps more of it than h2o, and window none.
+# to still hold Note 1. The example runs Keyformer with the recommended query-aware options (scores from
+# the question's queries, pooled), which keep it; with observe at 0 (the paper) it loses all but "7".
 EXAMPLES = [
-    [DEFAULT_PROMPT, DEFAULT_NEW_TOKENS, False, 50, 30],
-    ["Here is a short story about a robot who learns to paint.\n\nOnce upon a time,", DEFAULT_NEW_TOKENS, False, 50,
-     30],
-    ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", DEFAULT_NEW_TOKENS, False, 50, 30],
-    [RETRIEVAL_PROMPT, 8, True, 50, 10],
+    [DEFAULT_PROMPT, DEFAULT_NEW_TOKENS, False, "keyformer", 50, 30, 0, 1],
+    ["Here is a short story about a robot who learns to paint.\n\nOnce upon a time,", DEFAULT_NEW_TOKENS, False,
+     "keyformer", 50, 30, 0, 1],
+    ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", DEFAULT_NEW_TOKENS, False, "keyformer",
+     50, 30, 0, 1],
+    [RETRIEVAL_PROMPT, 8, True, "keyformer", 50, 10, RECOMMENDED_OPTIONS["observe"], RECOMMENDED_OPTIONS["pool"]],
 ]
 EXAMPLE_LABELS = ["Colours", "Story", "Code", "Long-context retrieval (eviction matters)"]
-EXAMPLE_INPUTS = ("prompt", "max_new_tokens", "kv_on", "kv_budget_pct", "kv_recent_pct")  # the columns above
+EXAMPLE_INPUTS = ("prompt", "max_new_tokens", "kv_on", "kv_policy", "kv_budget_pct", "kv_recent_pct", "kv_observe",
+                  "kv_pool")  # the columns above
 
 
 class ComparisonOutputs(NamedTuple):
@@ -299,7 +303,7 @@ class Handlers:
                 return
             word = "Stopped" if sk.stopped else "Done"
             yield comparison_outputs(full, sk, loaded, prompt_texts, redraw=True, final=True)._replace(
-                status=f"**{word}**: {len(full.events)} + {len(sk.events)} tokens. {req.describe()}")
+                status=f"**{word}**: {len(full.events)} + {len(sk.events)} tokens. {req.describe()}{req.hint()}")
         finally:
             stop.set()
             if session is not None:

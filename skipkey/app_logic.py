@@ -257,6 +257,13 @@ class ComparisonRequest:
     kv: KVPolicy | None
     tuned: bool = False  # SkipKey's side decodes with the model's SkipDecode-tuned weights
 
+    def hint(self) -> str:
+        """What to try next, where the request shows one of the product's own additions."""
+        if self.kv is not None and self.kv.name in ("h2o", "keyformer") and self.kv.prompt_observe:
+            return (f" Set **observe** to 0 to see the paper's {self.kv.name}: it scores the prompt from every "
+                    f"query and can drop what the question asks for.")
+        return ""
+
     def describe(self) -> str:
         parts = [self.skip.describe() if self.skip else "no layer skipping",
                  f"KV {self.kv.describe()}" if self.kv else "full KV cache"]

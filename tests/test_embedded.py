@@ -76,3 +76,41 @@ def test_the_committed_adapter_fits_the_embedded_model_and_lowers_skipping_perpl
     tuned_ppl, _ = perplexity_and_accuracy(embedded, EvalConfig("top 2x tuned", skip=skip, model=tuned), prompts,
                                            refs)
     assert tuned_ppl < untuned_ppl / 10, (tuned_ppl, untuned_ppl)
+
+
+def secret_code_prompt(tokenizer) -> str:
+    """About 1,020 tokens of filler with "The secret code is 58213." at about 40% depth, asked at the end."""
+    import random
+
+    from skipkey.prompts import FILLER
+
+    rng = random.Random(0)
+
+    def filler(tokens):
+        parts, count = [], 0
+        while count < tokens:
+            sentence = rng.choice(FILLER)
+            parts.append(sentence)
+            count += len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+        return " ".join(parts)
+
+    return filler(400) + " The secret code is 58213. " + filler(590) + "\nWhat is the secret code? The secret code is"
+
+
+def test_query_aware_keyformer_keeps_the_whole_secret_code_at_half_the_cache(embedded):
+    """The paper's Keyformer sums scores over every prompt query and may lose the digits the question needs
+    (it answers "5."); the recommended options (the question's queries, pooled) keep all five."""
+    from skipkey.kv_policies import RECOMMENDED_OPTIONS, make_kv_policy
+
+    ids = embedded.tokenizer(secret_code_prompt(embedded.tokenizer))["input_ids"]
+    assert 1000 <= len(ids) <= 1050
+    settings = GenerationSettings(max_new_tokens=6)
+    recorded = Engine(embedded).prompt_pass([ids])
+
+    def answer(kv):
+        return "".join(e.texts[0] for e in Engine(embedded, kv=kv).generate([ids], settings, prompt_pass=recorded))
+
+    assert "58213" in answer(None)
+    assert "58213" in answer(make_kv_policy("keyformer", 0.5, **RECOMMENDED_OPTIONS))
+    paper = answer(make_kv_policy("keyformer", 0.5))  # allowed to lose it, and on this model it does
+    assert "58213" not in paper
