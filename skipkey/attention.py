@@ -214,11 +214,12 @@ def skipkey_attention(module, query, key, value, attention_mask, dropout: float 
     key, value = layer.write(key, value, skipkey.query_positions, skipkey.dense)
     positions = layer.visible_positions()
     mask = _mask_for_output(layer, positions, skipkey.query_positions)
-    if skipkey.contribution is not None and query.shape[2] == 1:
+    scoring = skipkey.contribution is not None and layer.scored
+    if scoring and query.shape[2] == 1:
         return _attend_and_score(layer, module.layer_idx, query, key, value, scale, positions, mask, skipkey), None
     out, _ = sdpa_attention_forward(module, query, key, value, _expand_heads(mask, query.shape[1]), dropout=0.0,
                                     scaling=scaling, **kwargs)
-    if skipkey.contribution is not None:
+    if scoring:
         accumulate_scores(layer, module.layer_idx, query, key, scale, skipkey.query_positions,
                           skipkey.contribution, skipkey.observe, skipkey.position_limit)
     return out, None
@@ -228,7 +229,7 @@ def score_prompt(layer, layer_idx: int, captured, state: StepState) -> None:
     """Fill a layer's cache from a recorded prompt pass, scoring it as the attention function would have."""
     query, key, value, scale = captured
     key, _ = layer.write(key, value, state.query_positions, state.dense)
-    if state.contribution is not None:
+    if state.contribution is not None and layer.scored:
         accumulate_scores(layer, layer_idx, query, key, scale, state.query_positions, state.contribution,
                           state.observe, state.position_limit)
 

@@ -35,10 +35,11 @@ class LayerCache:
     """Keys, values, their positions and (for scoring policies) accumulated scores."""
 
     __slots__ = ("keys", "values", "positions", "scores", "window", "used", "held", "dense", "reuse",
-                 "settled", "full_from", "free_slot")
+                 "settled", "full_from", "free_slot", "scored")
 
     def __init__(self, window: int | None):
         self.window = window
+        self.scored = True  # a KV policy's budget binds here: score and evict (else append, like full mode)
         self.clear()
 
     def clear(self):

@@ -171,7 +171,9 @@ class Engine:
         captured: dict[int, tuple] = {}
         dense = bool((batch.positions >= 0).all())
         state = StepState(cache=cache, query_positions=batch.positions, dense=dense, capture=captured)
-        logits, importance = self.prefill(batch.input_ids, batch.positions, state, _Retention(None, batch, 1), True)
+        retention = _Retention(None, batch, 1)
+        retention.prepare(cache)
+        logits, importance = self.prefill(batch.input_ids, batch.positions, state, retention, True)
         return PromptPass(batch, [captured[i] for i in range(self.arch.num_layers)], logits, tuple(importance))
 
     def decode_one_token(self, tokens: torch.Tensor, positions: torch.Tensor, layers: Sequence[int],
@@ -222,6 +224,7 @@ class Engine:
         total_steps = settings.max_new_tokens
         cache = KVCache([info.sliding_window for info in self.arch.layer_info])
         retention = _Retention(self.kv, batch, total_steps)
+        retention.prepare(cache)
         choose = _TokenChooser(settings, forced_ids, batch.input_ids)
         events = _EventBuilder(self, batch.rows, settings, cache, record)
         all_layers = tuple(range(self.arch.num_layers))
@@ -328,13 +331,23 @@ class _Retention:
             self.budgets = Budgets.for_prompts(self.kv, batch.lengths, batch.positions.device)
             self.most = self.budgets.most
 
+    def limit(self, layer) -> int:
+        """The most tokens ``layer`` can ever hold for a query: its window, or the whole run."""
+        return self.longest if layer.window is None else layer.window - 1
+
+    def prepare(self, cache: KVCache) -> None:
+        """Mark the layers the budget never binds (a sliding window smaller than every budget, or a
+        budget above the whole run): they append like full mode, and nothing scores their tokens."""
+        for layer in cache.layers:
+            layer.scored = self.kv is not None and self.budgets.least < self.limit(layer)
+
     def after(self, layer, step: int, next_positions: torch.Tensor) -> None:
         if layer.keys is None:
             return
-        if self.kv is None:
+        if self.kv is None or not layer.scored:
             layer.trim_to_window(next_positions, self.spare)
             return
-        tokens = min(self.most, self.longest if layer.window is None else layer.window - 1)
+        tokens = min(self.most, self.limit(layer))
         every = self.kv.evict_every
         self.kv.evict(layer, self.budgets, next_positions, capacity=tokens + every, due=step % every == 0)
 
