@@ -101,7 +101,8 @@ def kv_policy_from(args, spec: str | None = None, *, strict: bool = True):
                  normalize=args.kv_normalize)
     if not strict:
         flags = {k: v for k, v in flags.items() if k in policy_options(name)}
-    return make_kv_policy(name, args.kv_budget, args.kv_recent, seed=args.seed, evict_every=args.kv_evict_every,
+    every = own.pop("evict_every", args.kv_evict_every)
+    return make_kv_policy(name, args.kv_budget, args.kv_recent, seed=args.seed, evict_every=every,
                           **{**flags, **own})
 
 
