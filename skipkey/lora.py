@@ -119,6 +119,9 @@ def load_tuned(loaded, adapter_dir: str | Path):
     """
     from peft import PeftModel
 
+    if loaded.placement is not None:
+        raise InputError(f"A SkipDecode adapter is merged into a copy of the whole model, which {loaded.name!r} "
+                         "placed with a device map does not hold in memory; load it without a device map")
     meta = read_metadata(adapter_dir)
     directory = Path(adapter_dir).expanduser()
     check_compatible(meta, loaded, directory)
