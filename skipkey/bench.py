@@ -17,7 +17,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
-from skipkey.metrics import Compute, Speed, StepCost, compute, memory, speed, step_cost
+from skipkey.metrics import Compute, Speed, StepCost, Transfer, compute, memory, speed, step_cost, transfer
 from skipkey.trace import Trace
 
 FILLER = ("The committee met on a grey morning to review the harbour's accounts. Ships had come and gone, "
@@ -56,18 +56,21 @@ class Sample:
     kv_bytes: int | None = None
     compute: Compute | None = None
     cost: StepCost | None = None  # fitted over the run's steps (skipping schedules only)
+    moved: Transfer | None = None  # weight traffic, where a device map offloads weights
 
     def as_dict(self) -> dict:
         return {**self.speed.as_dict(), "new_tokens": self.new_tokens, "kv_bytes": self.kv_bytes,
                 "mean_layers": None, "nominal_speedup": None, "compute_ratio": None,
                 **(self.compute.as_dict() if self.compute else {}),
-                "ms_per_layer": None, "fixed_ms": None, **(self.cost.as_dict() if self.cost else {})}
+                "ms_per_layer": None, "fixed_ms": None, **(self.cost.as_dict() if self.cost else {}),
+                "bytes_per_step": None, "full_bytes_per_step": None, "transfer_ratio": None,
+                **(self.moved.as_dict() if self.moved else {})}
 
 
 def time_generate(loaded, prompt_ids: list[list[int]], settings: GenerationSettings) -> Sample:
     """``model.generate`` on the same (left-padded) batch, timed per token by a streamer."""
     model = loaded.model
-    device = next(model.parameters()).device
+    device = loaded.device
     width = max(len(p) for p in prompt_ids)
     pad = model.generation_config.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
@@ -88,7 +91,7 @@ def time_engine(engine: Engine, prompt_ids: list[list[int]], settings: Generatio
     for event in engine.generate(prompt_ids, settings):
         trace.add(event)
     return Sample(speed(trace), new_tokens=len(trace.events), kv_bytes=memory(trace).kv_bytes_peak,
-                  compute=compute(trace), cost=step_cost(trace))
+                  compute=compute(trace), cost=step_cost(trace), moved=transfer(trace))
 
 
 @dataclass
@@ -145,6 +148,8 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
             "compute_ratio": v.median("compute_ratio"),
             "ms_per_layer": v.median("ms_per_layer"),
             "fixed_ms": v.median("fixed_ms"),
+            "weight_bytes_per_step": v.median("bytes_per_step"),
+            "transfer_ratio": v.median("transfer_ratio"),
             "samples": [s.as_dict() for s in v.samples],
         }
         rows.append(row)
@@ -156,7 +161,8 @@ def format_table(result: dict) -> str:
     head = (f"batch {result['batch']}, prompt {max(result['prompt_tokens'])} tokens, "
             f"{result['max_new_tokens']} new tokens, median of {result['repeats']}")
     lines = [head, f"{'variant':<34}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'TTFT s':>9}{'KV MB':>9}"
-                   f"{'vs full':>9}{'vs gen':>9}{'nominal':>9}{'compute':>9}{'ms/layer':>9}{'fixed ms':>9}"]
+                   f"{'vs full':>9}{'vs gen':>9}{'nominal':>9}{'compute':>9}{'ms/layer':>9}{'fixed ms':>9}"
+                   f"{'moved MB':>9}{'transfer':>9}"]
 
     def fmt(x, spec, suffix=""):
         width = int(spec.split(".")[0])
@@ -164,9 +170,11 @@ def format_table(result: dict) -> str:
 
     for r in result["rows"]:
         kv = r["kv_bytes"] / 2**20 if r["kv_bytes"] else None
+        moved = r["weight_bytes_per_step"] / 2**20 if r.get("weight_bytes_per_step") else None
         lines.append(f"{r['variant']:<34}{fmt(r['tokens_per_s'], '9.1f')}{fmt(r['ms_per_token_p50'], '9.1f')}"
                      f"{fmt(r['ms_per_token_p90'], '9.1f')}{fmt(r['ttft_s'], '9.3f')}{fmt(kv, '9.1f')}"
                      f"{fmt(r['speedup_vs_full'], '9.2f', 'x')}{fmt(r['speedup_vs_generate'], '9.2f', 'x')}"
                      f"{fmt(r['nominal_speedup'], '9.2f', 'x')}{fmt(r['compute_ratio'], '9.2f', 'x')}"
-                     f"{fmt(r.get('ms_per_layer'), '9.2f')}{fmt(r.get('fixed_ms'), '9.1f')}")
+                     f"{fmt(r.get('ms_per_layer'), '9.2f')}{fmt(r.get('fixed_ms'), '9.1f')}"
+                     f"{fmt(moved, '9.1f')}{fmt(r.get('transfer_ratio'), '9.2f', 'x')}")
     return "\n".join(lines)
