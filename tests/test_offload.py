@@ -31,7 +31,7 @@ GPU = TEST_DEVICE.index or 0
 
 def small_memory(cpu: int) -> dict:
     """``max_memory`` that leaves most of a model to the disk (and, on a GPU, some of it to the CPU)."""
-    return {GPU: cpu // 2, "cpu": cpu} if ON_GPU else {"cpu": cpu}
+    return {GPU: cpu // 4, "cpu": cpu // 2} if ON_GPU else {"cpu": cpu}
 
 
 def placed_tiny(family, tmp_path, seed=0, memory=600_000):
@@ -74,8 +74,8 @@ def counting_weight_loads(arch, monkeypatch):
 
 # -- the edge ----------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(max_memory="cpu:1GiB"), "only apply with a device map"),
-    (dict(offload_dir="/tmp"), "only apply with a device map"),
+    (dict(max_memory="cpu:1GiB"), "only used with a device map"),
+    (dict(offload_dir="/tmp"), "only used with a device map"),
     (dict(device_map="auto", device="cpu"), "device .* or a device map, not both"),
     (dict(device_map="everywhere"), "Unknown device map 'everywhere'"),
     (dict(device_map="{not json"), "not valid JSON"),
@@ -135,10 +135,9 @@ def test_the_offload_folder_goes_with_the_model(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "gemma3", "opt"])
 def test_full_mode_matches_generate_under_the_same_device_map(family, tmp_path):
     lm = placed_tiny(family, tmp_path)
-    devices = list(lm.model.hf_device_map.values())
-    layers = Engine(lm).arch.num_layers
-    assert sum(1 for name, d in lm.model.hf_device_map.items() if ".layers." in name and d == "disk") > layers / 2
-    assert "disk" in devices
+    offloaded = ("cpu", "disk") if ON_GPU else ("disk",)  # the CPU computes what it holds when it is the device
+    layers = [d for name, d in lm.model.hf_device_map.items() if ".layers." in name]
+    assert sum(d in offloaded for d in layers) > len(layers) / 2 and "disk" in lm.model.hf_device_map.values()
     for prompt in PROMPTS[::2]:
         ids = lm.tokenizer(prompt)["input_ids"]
         trace = Trace.collect(Engine(lm), [ids], GenerationSettings(max_new_tokens=24))
