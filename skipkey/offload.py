@@ -90,7 +90,7 @@ def make_placement(device_map=None, max_memory=None, offload_dir=None, device=No
     if device_map is None:
         given = [name for name, value in (("max_memory", max_memory), ("offload_dir", offload_dir)) if value]
         if given:
-            raise InputError(f"{' and '.join(given)} only apply with a device map: add device_map='auto' "
+            raise InputError(f"{' and '.join(given)}: only used with a device map; add device_map='auto' "
                              f"(--device-map auto, SKIPKEY_DEVICE_MAP=auto)")
         return None
     if device is not None:
@@ -109,7 +109,8 @@ def parse_device_map(value) -> str | Mapping[str, int | str]:
             return text
         if not text.startswith("{"):
             raise InputError(f"Unknown device map {value!r}; use one of {', '.join(DEVICE_MAP_STRATEGIES)} or a "
-                             "JSON object of module name -> device, e.g. '{\"model.layers.0\": 0, \"lm_head\": \"disk\"}'")
+                             "JSON object of module name -> device, e.g. "
+                             "'{\"model.layers.0\": 0, \"lm_head\": \"disk\"}'")
         try:
             value = json.loads(text)
         except json.JSONDecodeError as error:
