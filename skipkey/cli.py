@@ -213,8 +213,9 @@ def cmd_bench(args) -> int:
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     check_methods_early(args)
     torch.manual_seed(0)
+    # The tuned copy first: an adapter with a device map is refused before the model is read.
+    tuned = load(args.model, args.device, args.dtype, args.adapter, **placement_from(args)) if args.adapter else None
     loaded = load(args.model, args.device, args.dtype, **placement_from(args))
-    tuned = load(args.model, args.device, args.dtype, args.adapter) if args.adapter else None
     skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
     accelerated = []
     if skip is not None or kv is not None:

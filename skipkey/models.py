@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from skipkey.loading import LoadedModel, load_model, place, resolve_device, resolve_dtype
-from skipkey.lora import load_tuned
+from skipkey.errors import InputError
+from skipkey.lora import load_tuned, whole_model_needed
 from skipkey.offload import make_placement
 from skipkey.tiny import shaped_model
 
@@ -29,6 +30,8 @@ def load(name: str, device: str | None = None, dtype: str | None = None,
     ``max_memory``, ``offload_dir``: placed by accelerate instead of ``device``
     (``skipkey.loading.load_model``).
     """
+    if adapter is not None and make_placement(device_map, max_memory, offload_dir, device=device) is not None:
+        raise InputError(whole_model_needed(name))  # before minutes of loading
     if name.startswith(RANDOM_PREFIX):
         placement = make_placement(device_map, max_memory, offload_dir, device=device)
         dev = resolve_device(device) if placement is None else placement.main_device()

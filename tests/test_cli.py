@@ -116,6 +116,8 @@ def test_generate_and_bench_under_disk_offload(capsys, model_dir, tmp_path):
     assert rows["generate"]["transfer_ratio"] is None and rows["full"]["transfer_ratio"] == pytest.approx(1.0)
     assert rows["skip top 2.0x"]["transfer_ratio"] > 1.2 and rows["full"]["weight_bytes_per_step"] > 0
     assert result["placement"]["request"].startswith("device map auto")
+    code, _, err = run_cli(capsys, "bench", "--model", model_dir, *offload, "--adapter", "assets/skipdecode-lora")
+    assert code == 2 and "load it without a device map" in err
 
 
 def test_kv_eval_without_retrieval_reports_agreement_and_long_text_scores(capsys, model_dir, tmp_path):
