@@ -16,6 +16,8 @@ torch.set_num_threads(1)
 
 # The device the engine tests run on: the CPU, or SKIPKEY_TEST_DEVICE=cuda (assets/results/gpu.sh).
 TEST_DEVICE = torch.device(os.environ.get("SKIPKEY_TEST_DEVICE", "cpu"))
+if TEST_DEVICE.type == "cuda" and TEST_DEVICE.index is None:
+    TEST_DEVICE = torch.device("cuda", 0)  # as tensors name it, so devices compare equal
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",

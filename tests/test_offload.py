@@ -30,8 +30,19 @@ GPU = TEST_DEVICE.index or 0
 
 
 def small_memory(cpu: int) -> dict:
-    """``max_memory`` that leaves most of a model to the disk (and, on a GPU, some of it to the CPU)."""
-    return {GPU: cpu // 4, "cpu": cpu // 2} if ON_GPU else {"cpu": cpu}
+    """``max_memory`` that leaves most of a model to the disk (on a GPU: the first part on it, then the CPU).
+
+    accelerate keeps room for the largest layer on the main devices, so each holds about ``cpu`` less 150 kB.
+    """
+    return {GPU: cpu, "cpu": cpu} if ON_GPU else {"cpu": cpu}
+
+
+def all_offloaded_map(num_layers: int) -> dict:
+    """Every decoder layer and the LM head offloaded; the embedding on the compute device."""
+    here = GPU if ON_GPU else "cpu"
+    away = ("cpu", "disk") if ON_GPU else ("disk",)
+    return {"model.embed_tokens": here, "model.rotary_emb": here, "model.norm": "disk", "lm_head": away[0],
+            **{f"model.layers.{i}": away[i % len(away)] for i in range(num_layers)}}
 
 
 def placed_tiny(family, tmp_path, seed=0, memory=600_000):
@@ -164,7 +175,8 @@ def test_skipdecode_and_kv_policies_give_what_they_give_without_offload(family, 
 
 
 def test_skipped_layers_weights_are_never_loaded(tmp_path, monkeypatch):
-    lm = placed_tiny("llama", tmp_path, memory=250_000)  # every layer offloaded
+    lm = place(tiny_model("llama"), all_offloaded_map(6), offload_dir=tmp_path)
+    assert lm.device == TEST_DEVICE
     engine = Engine(lm, skip=SkipDecode(LinearSchedule(b_max=6, b_min=2, horizon=8)))
     arch = engine.arch
     offloaded = {i for i in range(arch.num_layers) if arch.layer_transfer_bytes(i) > 0}
@@ -180,6 +192,7 @@ def test_skipped_layers_weights_are_never_loaded(tmp_path, monkeypatch):
             expected = sum(trace.layer_transfer_bytes[i] for i in event.layers) + trace.fixed_transfer_bytes
             assert sum(size for _, size in step_loads) == expected, f"step {event.step}"
     assert min(len(e.layers) for e in trace.events) == 2  # the schedule really skipped
+    assert trace.fixed_transfer_bytes > 0  # the LM head and the final norm are offloaded too
     moved = transfer(trace)
     assert moved.transfer_ratio > 1.5 and moved.bytes_per_step < moved.full_bytes_per_step
 
