@@ -83,20 +83,22 @@ if (( dry )); then
         --no-generate --compare-targets 1.5 2 3 --output "$out/gpu_bench_offload_opt1.3b.json"
     step app 180 $py assets/results/gpu_check.py app --device cpu --tiny --output "$out/gpu_app.json"
 else
-    step tests 240 env SKIPKEY_TEST_DEVICE=cuda $py -m pytest -q -p no:cacheprovider \
+    # Estimated on an H200 (not yet run on one): tests 150 s (40-90 s of it converting the embedded model on a
+    # fresh machine), the OPT benches 40 + 50 s, the app 20 s, offload 50 s, KV 80 s: about 390 s in all.
+    step tests 200 env SKIPKEY_TEST_DEVICE=cuda $py -m pytest -q -p no:cacheprovider \
         tests/test_engine.py tests/test_skipdecode_engine.py tests/test_kv_policies.py tests/test_teacher_forced.py \
         tests/test_embedded.py tests/test_offload.py --junitxml="$out/gpu_tests.xml"
-    step skip_opt1.3b 100 $bench --model random:opt-1.3b --device cuda --prompt-tokens 128 --max-new-tokens 64 \
-        --batch 1 8 --repeats 3 --compare-targets 1.5 2 3 5 --output "$out/gpu_bench_skip_opt1.3b.json"
-    step skip_opt6.7b 120 $bench --model random:opt-6.7b --device cuda --prompt-tokens 128 --max-new-tokens 64 \
-        --batch 1 8 --repeats 3 --compare-targets 1.5 2 3 5 --output "$out/gpu_bench_skip_opt6.7b.json"
-    step kv 150 $bench --model random:llama-7b --device cuda --dtype bfloat16 --prompt-tokens 4096 \
+    step skip_opt1.3b 75 $bench --model random:opt-1.3b --device cuda --prompt-tokens 128 --max-new-tokens 64 \
+        --batch 1 8 --repeats 2 --compare-targets 1.5 2 3 5 --output "$out/gpu_bench_skip_opt1.3b.json"
+    step skip_opt6.7b 90 $bench --model random:opt-6.7b --device cuda --prompt-tokens 128 --max-new-tokens 64 \
+        --batch 1 8 --repeats 2 --compare-targets 1.5 2 3 5 --output "$out/gpu_bench_skip_opt6.7b.json"
+    step app 60 $py assets/results/gpu_check.py app --device cuda --output "$out/gpu_app.json"
+    step kv 120 $bench --model random:llama-7b --device cuda --dtype bfloat16 --prompt-tokens 4096 \
         --max-new-tokens 256 --batch 1 --repeats 1 --warmup 1 --no-generate --compare-kv $kv_policies \
         --kv-budget 0.5 --output "$out/gpu_bench_kv_llama7b.json"
-    step offload 100 $bench --model random:opt-1.3b --device-map auto --max-memory 0:1GiB,cpu:64GiB \
+    step offload 90 $bench --model random:opt-1.3b --device-map auto --max-memory 0:1GiB,cpu:64GiB \
         --prompt-tokens 64 --max-new-tokens 32 --batch 1 --repeats 1 --warmup 1 --no-generate \
         --compare-targets 1.5 2 3 --output "$out/gpu_bench_offload_opt1.3b.json"
-    step app 120 $py assets/results/gpu_check.py app --device cuda --output "$out/gpu_app.json"
 fi
 
 [[ -f $out/gpu_tests.xml ]] && $py assets/results/gpu_check.py junit "$out/gpu_tests.xml" "$out/gpu_tests.json" \
