@@ -36,7 +36,7 @@ from skipkey.errors import InputError
 from skipkey.kv_policies import KV_POLICIES, KVPolicy, make_kv_policy, policy_options
 from skipkey.loading import EMBEDDED, LoadedModel
 from skipkey.lora import load_tuned
-from skipkey.metrics import Compute, Speed, agreement, compute, kv_share, memory, rouge_l, speed
+from skipkey.metrics import Compute, Speed, Transfer, agreement, compute, kv_share, memory, rouge_l, speed, transfer
 from skipkey.offload import Placement, make_placement
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES, SkipDecode, make_skipdecode
@@ -467,6 +467,7 @@ class SideMetrics:
     kv_percent: float
     compute: Compute | None = None  # SkipKey's side only
     measured_speedup: float | None = None
+    moved: Transfer | None = None  # where a device map offloads weights
 
     def markdown(self) -> str:
         s = self.speed
@@ -479,6 +480,10 @@ class SideMetrics:
             lines.append(f"**{_fmt(self.compute.mean_layers, '{:.1f}')}** layers/token · nominal speedup "
                          f"**{_fmt(self.compute.nominal_speedup, '{:.2f}')}x** · measured "
                          f"**{_fmt(self.measured_speedup, '{:.2f}')}x**")
+        if self.moved is not None:
+            lines.append(f"weights moved **{_fmt(self.moved.bytes_per_step / 2**20, '{:.0f}')}** MiB/token"
+                         + (f" · transfer ratio **{_fmt(self.moved.transfer_ratio, '{:.2f}')}x**"
+                            if self.compute is not None else ""))
         return "  \n".join(lines)
 
 
@@ -487,12 +492,12 @@ def side_metrics(trace: Trace, reference: Trace | None = None) -> SideMetrics:
     timing = speed(trace)
     held = memory(trace).kv_bytes_final
     if reference is None:
-        return SideMetrics(timing, held / 1e6, 100.0 if trace.events else float("nan"))
+        return SideMetrics(timing, held / 1e6, 100.0 if trace.events else float("nan"), moved=transfer(trace))
     ref_timing = speed(reference)
     measured = (ref_timing.ms_per_token_p50 / timing.ms_per_token_p50
                 if timing.decode_tokens and ref_timing.decode_tokens else float("nan"))
     return SideMetrics(timing, held / 1e6, 100.0 * kv_share(trace, reference), compute=compute(trace),
-                       measured_speedup=measured)
+                       measured_speedup=measured, moved=transfer(trace))
 
 
 def agreement_summary(full: Trace, skipkey: Trace, tokenizer=None, final: bool = False) -> str:

@@ -100,6 +100,7 @@ def test_the_comparison_runs_on_an_offloaded_model(tmp_path):
     assert "placed by accelerate (device map auto" in status
     final = list(handlers.compare(dataclasses.replace(CONTROLS, kv_on=False)))[-1]
     assert final.skip_text and final.full_text
+    assert "weights moved" in final.full_metrics and "transfer ratio" in final.skip_metrics
 
 
 def test_models_load_once_and_only_from_the_allow_list(tiny):
