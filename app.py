@@ -2,7 +2,9 @@
 
 ``python app.py`` serves it on the embedded model (Gemma 3 270M) at port 7860.
 ``SKIPKEY_MODELS="facebook/opt-1.3b,Qwen/Qwen2.5-0.5B"`` offers more models
-(GPU deployments). The page only wires ``skipkey.app_logic`` (the controls'
+(GPU deployments); ``SKIPKEY_DEVICE_MAP=auto`` (with ``SKIPKEY_MAX_MEMORY`` and
+``SKIPKEY_OFFLOAD_DIR``) has accelerate place models larger than the device.
+The page only wires ``skipkey.app_logic`` (the controls'
 declaration, model cache, request edge, interleaved comparison) and
 ``skipkey.figures`` to components: ``Handlers`` holds what its events call,
 as plain methods, and ``build_demo`` lays the declared controls out.
@@ -37,6 +39,7 @@ from skipkey.app_logic import (
     preview_schedule,
     prompt_token_texts,
     recorded_step,
+    server_placement,
     side_metrics,
     thin_history,
 )
@@ -233,6 +236,7 @@ class Handlers:
         yield ModelOutputs(
             status=(f"**{model}** ready: {L} layers, context {loaded.context_length} tokens, "
                     f"{loaded.device.type} / {str(loaded.dtype).removeprefix('torch.')}"
+                    + (f"; placed by accelerate ({loaded.placement.describe()})" if loaded.placement else "")
                     + ("; SkipDecode-tuned weights available" if has_tuned else "")),
             **layer_slider_updates(L),
             max_new_tokens=gr.update(maximum=min(MAX_NEW_TOKENS_UI, loaded.context_length - 1)),
@@ -502,6 +506,10 @@ def launch(demo: gr.Blocks, **kwargs):
 
 def main() -> None:
     logging.basicConfig()  # warnings and errors; request failures are logged with their traceback
+    try:
+        server_placement()  # a bad SKIPKEY_DEVICE_MAP / _MAX_MEMORY / _OFFLOAD_DIR stops the server at start
+    except InputError as error:
+        raise SystemExit(f"error: {error}") from None
     models = ModelCache()
     models.future(models.default)  # start loading now: the first request should not wait from scratch
     launch(build_demo(Handlers(models)))

@@ -37,12 +37,16 @@ from skipkey.errors import InputError
 from skipkey.kv_policies import KV_POLICIES, KVPolicy, make_kv_policy, policy_options
 from skipkey.loading import EMBEDDED, LoadedModel
 from skipkey.lora import load_tuned
-from skipkey.metrics import Compute, Speed, agreement, compute, kv_share, memory, rouge_l, speed, traffic
+from skipkey.metrics import (Compute, Speed, Transfer, agreement, compute, kv_share, memory, rouge_l, speed, traffic,
+                             transfer)
+from skipkey.offload import Placement, make_placement
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES, SkipDecode, make_skipdecode
 from skipkey.trace import Trace
 
 MODELS_ENV = "SKIPKEY_MODELS"
+# A model larger than the server's device: placed by accelerate (see skipkey.offload.make_placement).
+DEVICE_MAP_ENV, MAX_MEMORY_ENV, OFFLOAD_DIR_ENV = "SKIPKEY_DEVICE_MAP", "SKIPKEY_MAX_MEMORY", "SKIPKEY_OFFLOAD_DIR"
 DECODING = ("greedy", "sample")
 SET_BY = ("layers", "target speedup")
 # The KV registry's policies, newest method first ("full" is the left column, not a choice).
@@ -64,15 +68,36 @@ def allowed_models(env: str | None = None) -> tuple[str, ...]:
     return tuple(dict.fromkeys([EMBEDDED, *extra]))
 
 
+def placement_options(env: Mapping[str, str] | None = None) -> dict:
+    """``load_model``'s placement arguments: ``$SKIPKEY_DEVICE_MAP``, ``_MAX_MEMORY``, ``_OFFLOAD_DIR``."""
+    env = os.environ if env is None else env
+    return dict(device_map=env.get(DEVICE_MAP_ENV) or None, max_memory=env.get(MAX_MEMORY_ENV) or None,
+                offload_dir=env.get(OFFLOAD_DIR_ENV) or None)
+
+
+def server_placement(env: Mapping[str, str] | None = None) -> Placement | None:
+    """The server's placement, checked: an InputError saying which variable is wrong, or None (whole models)."""
+    options = placement_options(env)
+    try:
+        return make_placement(**options)
+    except InputError as error:
+        raise InputError(f"{error} (from {DEVICE_MAP_ENV}, {MAX_MEMORY_ENV}, {OFFLOAD_DIR_ENV})") from None
+
+
 def default_adapters() -> dict[str, Path]:
-    """Model name -> SkipDecode adapter directory, for the adapters that are present."""
+    """Model name -> SkipDecode adapter directory, for the adapters that are present.
+
+    None under a device map: an adapter is merged into a copy of the whole model.
+    """
+    if server_placement() is not None:
+        return {}
     return {EMBEDDED: EMBEDDED_ADAPTER} if EMBEDDED_ADAPTER.is_dir() else {}
 
 
 def default_loader(name: str) -> LoadedModel:
     from skipkey.loading import load_model
 
-    return load_model(name, progress=True)
+    return load_model(name, progress=True, **placement_options())
 
 
 class ModelCache:
@@ -473,6 +498,7 @@ class SideMetrics:
     compute: Compute | None = None  # SkipKey's side only
     measured_speedup: float | None = None
     traffic_ratio: float | None = None  # the full model's bytes read per step over SkipKey's
+    moved: Transfer | None = None  # where a device map offloads weights
 
     def markdown(self) -> str:
         s = self.speed
@@ -487,6 +513,10 @@ class SideMetrics:
                          f"**{_fmt(self.compute.compute_ratio, '{:.2f}')}x** · bytes per step "
                          f"**{_fmt(self.traffic_ratio, '{:.2f}')}x** · measured "
                          f"**{_fmt(self.measured_speedup, '{:.2f}')}x**")
+        if self.moved is not None:
+            lines.append(f"weights moved **{_fmt(self.moved.bytes_per_step / 2**20, '{:.0f}')}** MiB/token"
+                         + (f" · transfer ratio **{_fmt(self.moved.transfer_ratio, '{:.2f}')}x**"
+                            if self.compute is not None else ""))
         return "  \n".join(lines)
 
 
@@ -495,13 +525,13 @@ def side_metrics(trace: Trace, reference: Trace | None = None) -> SideMetrics:
     timing = speed(trace)
     held = memory(trace).kv_bytes_final
     if reference is None:
-        return SideMetrics(timing, held / 1e6, 100.0 if trace.events else float("nan"))
+        return SideMetrics(timing, held / 1e6, 100.0 if trace.events else float("nan"), moved=transfer(trace))
     ref_timing = speed(reference)
     measured = (ref_timing.ms_per_token_p50 / timing.ms_per_token_p50
                 if timing.decode_tokens and ref_timing.decode_tokens else float("nan"))
     ours, theirs = traffic(trace), traffic(reference)
     return SideMetrics(timing, held / 1e6, 100.0 * kv_share(trace, reference), compute=compute(trace),
-                       measured_speedup=measured,
+                       measured_speedup=measured, moved=transfer(trace),
                        traffic_ratio=theirs.total / ours.total if ours and theirs else None)
 
 

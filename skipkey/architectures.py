@@ -7,7 +7,9 @@ norm + LM head). Everything else in SkipKey speaks in tensors and layer indices.
 
 The decoder layers themselves are the model's own modules: the engine calls them
 with its own cache and its own attention function (``skipkey.attention``), so
-the weights and the numerics are exactly the model's.
+the weights and the numerics are exactly the model's. Under an accelerate device
+map (``skipkey.offload``) their hooks fire as under ``generate``: each part says
+where it computes and how many weight bytes a call moves there.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from skipkey.attention import ATTENTION_NAME, install_attention
 from skipkey.errors import InputError
+from skipkey.offload import execution_device, offloaded_bytes
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,30 @@ class Architecture:
         """One decoder layer. With ``state``, SkipKey's attention writes the layer's cache itself."""
         out = self.layers[idx](hidden, attention_mask=attention_mask, skipkey=state, **layer_kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+    # -- placement ------------------------------------------------------------
+    def _device(self, module: nn.Module) -> torch.device:
+        return execution_device(module) or torch.device("cpu")
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where token ids go: the embedding's device."""
+        return self._device(self.model.get_input_embeddings())
+
+    @property
+    def head_device(self) -> torch.device:
+        return self._device(self.model.get_output_embeddings())
+
+    def layer_device(self, idx: int) -> torch.device:
+        return self._device(self.layers[idx])
+
+    def layer_transfer_bytes(self, idx: int) -> int:
+        """Weight bytes running layer ``idx`` once moves to its device (0 unless it is offloaded)."""
+        return offloaded_bytes(self.layers[idx])
+
+    def fixed_transfer_bytes(self) -> int:
+        """The same for everything a step runs whatever it skips: embedding, final norm, LM head."""
+        return offloaded_bytes(self.model) - sum(self.layer_transfer_bytes(i) for i in range(self.num_layers))
 
     @property
     def lm_head_params(self) -> int:

@@ -17,7 +17,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
-from skipkey.metrics import Compute, Speed, StepCost, Traffic, compute, memory, speed, step_cost, traffic
+from skipkey.metrics import (Compute, Speed, StepCost, Traffic, Transfer, compute, memory, speed, step_cost, traffic,
+                             transfer)
 from skipkey.trace import Trace
 
 FILLER = ("The committee met on a grey morning to review the harbour's accounts. Ships had come and gone, "
@@ -56,22 +57,25 @@ class Sample:
     kv_bytes: int | None = None
     compute: Compute | None = None
     cost: StepCost | None = None  # fitted over the run's steps (skipping schedules only)
-    traffic: Traffic | None = None
+    traffic: Traffic | None = None  # bytes read per step: weights run plus KV cache held
+    moved: Transfer | None = None  # weights moved onto the compute device, where a device map offloads them
 
     def as_dict(self) -> dict:
         return {**self.speed.as_dict(), "new_tokens": self.new_tokens, "kv_bytes": self.kv_bytes,
                 "mean_layers": None, "nominal_speedup": None, "compute_ratio": None,
                 **(self.compute.as_dict() if self.compute else {}),
                 "ms_per_layer": None, "fixed_ms": None, **(self.cost.as_dict() if self.cost else {}),
-                "weight_bytes": None, "kv_bytes_read": None, "bytes_per_step": None,
-                **({"weight_bytes": self.traffic.weight_bytes, "kv_bytes_read": self.traffic.kv_bytes,
-                    "bytes_per_step": self.traffic.total} if self.traffic else {})}
+                "read_weight_bytes": None, "read_kv_bytes": None, "read_bytes_per_step": None,
+                **({"read_weight_bytes": self.traffic.weight_bytes, "read_kv_bytes": self.traffic.kv_bytes,
+                    "read_bytes_per_step": self.traffic.total} if self.traffic else {}),
+                "bytes_per_step": None, "full_bytes_per_step": None, "transfer_ratio": None,
+                **(self.moved.as_dict() if self.moved else {})}
 
 
 def time_generate(loaded, prompt_ids: list[list[int]], settings: GenerationSettings) -> Sample:
     """``model.generate`` on the same (left-padded) batch, timed per token by a streamer."""
     model = loaded.model
-    device = next(model.parameters()).device
+    device = loaded.device
     width = max(len(p) for p in prompt_ids)
     pad = model.generation_config.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
@@ -92,7 +96,7 @@ def time_engine(engine: Engine, prompt_ids: list[list[int]], settings: Generatio
     for event in engine.generate(prompt_ids, settings):
         trace.add(event)
     return Sample(speed(trace), new_tokens=len(trace.events), kv_bytes=memory(trace).kv_bytes_peak,
-                  compute=compute(trace), cost=step_cost(trace), traffic=traffic(trace))
+                  compute=compute(trace), cost=step_cost(trace), traffic=traffic(trace), moved=transfer(trace))
 
 
 @dataclass
@@ -132,12 +136,13 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
     full_tps = by_name["full"].median("tokens_per_s") if "full" in by_name else None
     gen_tps = by_name["generate"].median("tokens_per_s") if "generate" in by_name else None
     full_kv = by_name["full"].median("kv_bytes") if "full" in by_name else None
-    full_bytes = by_name["full"].median("bytes_per_step") if "full" in by_name else None
+    full_bytes = by_name["full"].median("read_bytes_per_step") if "full" in by_name else None
     rows = []
     for v in runs:
         tps = v.median("tokens_per_s")
         # The memory-traffic limit: full's bytes per step over this variant's.
-        ideal = full_bytes / v.median("bytes_per_step") if full_bytes and v.median("bytes_per_step") else None
+        read = v.median("read_bytes_per_step")
+        ideal = full_bytes / read if full_bytes and read else None
         row = {
             "variant": v.name,
             "tokens_per_s": tps,
@@ -152,9 +157,11 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
             "compute_ratio": v.median("compute_ratio"),
             "ms_per_layer": v.median("ms_per_layer"),
             "fixed_ms": v.median("fixed_ms"),
-            "bytes_per_step": v.median("bytes_per_step"),
+            "read_bytes_per_step": v.median("read_bytes_per_step"),
             "ideal_ratio": ideal,
             "measured_over_ideal": tps / full_tps / ideal if ideal and full_tps else None,
+            "weight_bytes_per_step": v.median("bytes_per_step"),
+            "transfer_ratio": v.median("transfer_ratio"),
             "samples": [s.as_dict() for s in v.samples],
         }
         rows.append(row)
@@ -167,10 +174,10 @@ def format_table(result: dict) -> str:
     head = (f"batch {result['batch']}, prompt {max(result['prompt_tokens'])} tokens, "
             f"{result['max_new_tokens']} new tokens, median of {result['repeats']}")
     lines = [head, "bytes: the memory-traffic limit, full's bytes read per step over the variant's; "
-                   "of bytes: the measured speedup over it",
+                   "of bytes: the measured speedup over it; moved MB / transfer: offloaded weights moved per step",
              f"{'variant':<{width}}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'TTFT s':>9}{'KV MB':>9}"
                    f"{'vs full':>9}{'vs gen':>9}{'nominal':>9}{'compute':>9}{'bytes':>9}{'of bytes':>9}"
-                   f"{'ms/layer':>9}{'fixed ms':>9}"]
+                   f"{'ms/layer':>9}{'fixed ms':>9}{'moved MB':>9}{'transfer':>9}"]
 
     def fmt(x, spec, suffix=""):
         width = int(spec.split(".")[0])
@@ -178,10 +185,12 @@ def format_table(result: dict) -> str:
 
     for r in result["rows"]:
         kv = r["kv_bytes"] / 2**20 if r["kv_bytes"] else None
+        moved = r["weight_bytes_per_step"] / 2**20 if r.get("weight_bytes_per_step") else None
         lines.append(f"{r['variant']:<{width}}{fmt(r['tokens_per_s'], '9.1f')}{fmt(r['ms_per_token_p50'], '9.1f')}"
                      f"{fmt(r['ms_per_token_p90'], '9.1f')}{fmt(r['ttft_s'], '9.3f')}{fmt(kv, '9.1f')}"
                      f"{fmt(r['speedup_vs_full'], '9.2f', 'x')}{fmt(r['speedup_vs_generate'], '9.2f', 'x')}"
                      f"{fmt(r['nominal_speedup'], '9.2f', 'x')}{fmt(r['compute_ratio'], '9.2f', 'x')}"
                      f"{fmt(r.get('ideal_ratio'), '9.2f', 'x')}{fmt(r.get('measured_over_ideal'), '9.2f')}"
-                     f"{fmt(r.get('ms_per_layer'), '9.2f')}{fmt(r.get('fixed_ms'), '9.1f')}")
+                     f"{fmt(r.get('ms_per_layer'), '9.2f')}{fmt(r.get('fixed_ms'), '9.1f')}"
+                     f"{fmt(moved, '9.1f')}{fmt(r.get('transfer_ratio'), '9.2f', 'x')}")
     return "\n".join(lines)

@@ -23,9 +23,27 @@ from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
 def add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", default="embedded",
                    help="'embedded' (Gemma 3 270M, default), a Hugging Face id, a local directory, "
-                        "or random:SHAPE (opt-1.3b, opt-6.7b, llama-mha-350m, llama-7b) for speed only")
+                        "or random:SHAPE (opt-125m, opt-1.3b, opt-6.7b, llama-68m, llama-mha-350m, llama-7b) "
+                        "for speed only")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, measured best on CPU)")
+
+
+def add_placement_args(p: argparse.ArgumentParser):
+    """A model larger than one device, placed by accelerate; ``placement_from`` reads these."""
+    g = p.add_argument_group("Larger models (accelerate device maps, CPU and disk offload)")
+    g.add_argument("--device-map", default=None, metavar="auto|JSON",
+                   help="place the model with accelerate instead of --device: 'auto' (GPUs, then the CPU, then "
+                        "the disk), balanced, sequential, or a JSON object of module name -> GPU index/cpu/disk")
+    g.add_argument("--max-memory", default=None, metavar="DEVICE:SIZE,...",
+                   help="what --device-map may use per device, e.g. '0:20GiB,cpu:40GiB'; the rest goes to disk")
+    g.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="where weights offloaded to the disk are written (a safetensors checkpoint is read "
+                        "in place); must be writable")
+
+
+def placement_from(args) -> dict:
+    return dict(device_map=args.device_map, max_memory=args.max_memory, offload_dir=args.offload_dir)
 
 
 def add_adapter_arg(p: argparse.ArgumentParser, help: str):
@@ -124,6 +142,21 @@ def check_methods_early(args):
 
 
 # -- commands -------------------------------------------------------------------
+def placement_record(loaded) -> dict | None:
+    """How accelerate placed the model, for a JSON result: the request and the device map it gave."""
+    if loaded.placement is None:
+        return None
+    return {"request": loaded.placement.describe(),
+            "device_map": {name: str(d) for name, d in getattr(loaded.model, "hf_device_map", {}).items()}}
+
+
+def transfer_record(trace) -> dict | None:
+    from skipkey.metrics import transfer
+
+    moved = transfer(trace)
+    return moved.as_dict() if moved else None
+
+
 def cmd_generate(args) -> int:
     from skipkey.engine import Engine
     from skipkey.metrics import compute, memory, speed
@@ -135,7 +168,7 @@ def cmd_generate(args) -> int:
         raise InputError("the prompt is empty: enter some text")
     settings = settings_from(args)
     check_methods_early(args)
-    loaded = load(args.model, args.device, args.dtype, args.adapter)
+    loaded = load(args.model, args.device, args.dtype, args.adapter, **placement_from(args))
     skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
     engine = Engine(loaded, skip=skip, kv=kv)
     trace = Trace.for_engine(engine)
@@ -146,14 +179,17 @@ def cmd_generate(args) -> int:
             print(event.texts[0], end="", flush=True)
     if not args.json:
         print()
-        s, c = speed(trace), compute(trace)
+        s, c, moved = speed(trace), compute(trace), transfer_record(trace)
         print(f"[{len(trace.tokens())} tokens, TTFT {s.ttft_s:.3f} s, {s.tokens_per_s:.1f} tok/s, "
               f"{c.mean_layers:.1f}/{loaded.num_layers} layers per token, "
-              f"KV {memory(trace).kv_bytes_final / 2**20:.1f} MB]", file=sys.stderr)
+              f"KV {memory(trace).kv_bytes_final / 2**20:.1f} MB"
+              + (f", weights moved {moved['bytes_per_step'] / 2**20:.0f} MB per token "
+                 f"(transfer ratio {moved['transfer_ratio']:.2f}x)" if moved else "") + "]", file=sys.stderr)
         return 0
     s, c, m = speed(trace), compute(trace), memory(trace)
     out = {
         "model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""),
+        "placement": placement_record(loaded), "weight_transfer": transfer_record(trace),
         "skipdecode": skip.describe() if skip else None, "kv_policy": kv.describe() if kv else None,
         "prompt_tokens": trace.prompt_lengths[0], "token_ids": trace.tokens(), "text": trace.text(),
         "timings": s.as_dict(), "compute": c.as_dict(), "memory": m.as_dict(),
@@ -178,8 +214,9 @@ def cmd_bench(args) -> int:
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     check_methods_early(args)
     torch.manual_seed(0)
-    loaded = load(args.model, args.device, args.dtype)
-    tuned = load(args.model, args.device, args.dtype, args.adapter) if args.adapter else None
+    # The tuned copy first: an adapter with a device map is refused before the model is read.
+    tuned = load(args.model, args.device, args.dtype, args.adapter, **placement_from(args)) if args.adapter else None
+    loaded = load(args.model, args.device, args.dtype, **placement_from(args))
     skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
     accelerated = []
     if skip is not None or kv is not None:
@@ -201,11 +238,13 @@ def cmd_bench(args) -> int:
             variants += [(label, Engine(loaded, skip=s, kv=k)) for label, s, k in accelerated]
             if tuned is not None:  # the same configurations on the merged weights, interleaved with the rest
                 variants += [(f"{label} (tuned)", Engine(tuned, skip=s, kv=k)) for label, s, k in accelerated]
-            print(f"# {loaded.name} on {loaded.device} ({loaded.dtype}), batch {batch}, prompt {prompt_tokens}",
+            where = f"{loaded.device}, {loaded.placement.describe()}" if loaded.placement else loaded.device
+            print(f"# {loaded.name} on {where} ({loaded.dtype}), batch {batch}, prompt {prompt_tokens}",
                   file=sys.stderr)
             result = run_bench(loaded, variants, prompts, settings, repeats=args.repeats, warmup=args.warmup,
                                log=lambda msg: print(msg, file=sys.stderr))
             result.update(model=loaded.name, device=str(loaded.device), dtype=str(loaded.dtype),
+                          placement=placement_record(loaded),
                           date=time.strftime("%Y-%m-%d"), machine=machine_description(loaded.device),
                           command=command_line(args.argv))
             print(format_table(result), flush=True)
@@ -240,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generation_args(p)
     add_method_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    add_placement_args(p)
     add_adapter_arg(p, "decode with this SkipDecode LoRA adapter (from finetune) merged into the model")
     p.set_defaults(func=cmd_generate)
 
@@ -259,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"also run each of these KV policies ({', '.join(KV_POLICIES)}) at --kv-budget; "
                         f"options after a colon, e.g. keyformer:observe=64,pool=7")
     add_method_args(p)
+    add_placement_args(p)
     add_adapter_arg(p, "also run each accelerated configuration on the model with this adapter merged")
     p.set_defaults(func=cmd_bench)
 
@@ -285,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write results JSON here")
     p.add_argument("--figure", help="write the accuracy-vs-budget Plotly figure (HTML or PNG) here")
+    add_placement_args(p)
     add_adapter_arg(p, "the SkipDecode LoRA adapter the tuned suite evaluates")
     p.set_defaults(func=cmd_eval)
 

@@ -9,10 +9,15 @@ independent methods plug in:
 
 ``generate`` yields one ``StepEvent`` per produced token; ``skipkey.trace``
 collects them, and figures and metrics are pure functions of the trace.
+
+Under an accelerate device map (``skipkey.offload``) each layer runs on its own
+device: the hidden states go there before the layer, and its cache, positions,
+masks and scores live there. One device is the usual case and costs nothing extra.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -107,10 +112,10 @@ class Engine:
         self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
         pad = self.model.generation_config.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.pad_token_id or 0)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        # Where ids go, each layer runs and the head runs (several devices under a device map).
+        self.device = self.arch.input_device
+        self.layer_devices = tuple(self.arch.layer_device(i) for i in range(self.arch.num_layers))
+        self.head_device = self.arch.head_device
 
     # -- input ----------------------------------------------------------------
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -138,22 +143,24 @@ class Engine:
         hidden = arch.embed(input_ids, rope_pos)
         layer_kwargs = arch.position_inputs(hidden, rope_pos)
         importance = [] if measure_importance else None
-        valid = positions >= 0
-        next_positions = positions.max(dim=1).values + 1
+        shared = _OnDevices(state, positions.max(dim=1).values + 1, positions >= 0)
         for idx in range(arch.num_layers):
-            out = arch.run_layer(idx, hidden, layer_kwargs[idx], state=state)
+            layer_state, next_positions, valid = shared.on(self.layer_devices[idx])
+            hidden = hidden.to(self.layer_devices[idx])
+            out = arch.run_layer(idx, hidden, layer_kwargs[idx], state=layer_state)
             retention.after(state.cache.layers[idx], 0, next_positions)
             if importance is not None:
                 importance.append(layer_importance(hidden, out, valid))
             hidden = out
-        return arch.head(hidden[:, -1:])[:, -1], importance
+        return arch.head(hidden[:, -1:].to(self.head_device))[:, -1].to(self.device), importance
 
     def replay_prefill(self, recorded: "PromptPass", state: StepState,
                        retention: "_Retention") -> tuple[torch.Tensor, list[float] | None]:
         """``prefill`` from a recorded prompt pass: each layer's cache is filled and scored, no layer runs."""
-        next_positions = recorded.positions.max(dim=1).values + 1
+        shared = _OnDevices(state, recorded.positions.max(dim=1).values + 1)
         for idx in range(self.arch.num_layers):
-            score_prompt(state.cache.layers[idx], idx, recorded.captured[idx], state)
+            layer_state, next_positions, _ = shared.on(self.layer_devices[idx])
+            score_prompt(state.cache.layers[idx], idx, recorded.captured[idx], layer_state)
             retention.after(state.cache.layers[idx], 0, next_positions)
         return recorded.logits, list(recorded.importance)
 
@@ -183,10 +190,12 @@ class Engine:
         pos = positions[:, None]
         hidden = arch.embed(tokens[:, None], pos)
         layer_kwargs = arch.position_inputs(hidden, pos)
+        shared = _OnDevices(state, positions + 1)
         for idx in layers:
-            hidden = arch.run_layer(idx, hidden, layer_kwargs[idx], state=state)
-            retention.after(state.cache.layers[idx], step, positions + 1)
-        return arch.head(hidden)[:, -1]
+            layer_state, next_positions, _ = shared.on(self.layer_devices[idx])
+            hidden = arch.run_layer(idx, hidden.to(self.layer_devices[idx]), layer_kwargs[idx], state=layer_state)
+            retention.after(state.cache.layers[idx], step, next_positions)
+        return arch.head(hidden.to(self.head_device))[:, -1].to(self.device)
 
     def step_state(self, cache: KVCache, query_positions: torch.Tensor, step: int, total_steps: int,
                    position_limit: int) -> StepState:
@@ -315,6 +324,26 @@ class PromptPass:
         return self.batch.positions
 
 
+class _OnDevices:
+    """What every layer of one forward shares (engine state, next positions, valid tokens), per device.
+
+    The copy for a device is made when the first layer there runs, once per forward,
+    not once per layer; on the device the forward started on it is the original.
+    """
+
+    def __init__(self, state: StepState, next_positions: torch.Tensor, valid: torch.Tensor | None = None):
+        self.copies = {next_positions.device: (state, next_positions, valid)}
+
+    def on(self, device: torch.device) -> tuple[StepState, torch.Tensor, torch.Tensor | None]:
+        found = self.copies.get(device)
+        if found is None:
+            state, next_positions, valid = next(iter(self.copies.values()))
+            found = self.copies[device] = (
+                dataclasses.replace(state, query_positions=state.query_positions.to(device)),
+                next_positions.to(device), None if valid is None else valid.to(device))
+        return found
+
+
 class _Retention:
     """What each layer's cache keeps once the layer has run: the KV policy's budget, or the sliding window.
 
@@ -330,6 +359,8 @@ class _Retention:
         if self.kv is not None:
             self.budgets = Budgets.for_prompts(self.kv, batch.lengths, batch.positions.device)
             self.most = self.budgets.most
+            self.lengths = batch.lengths
+            self.on_device = {batch.positions.device: self.budgets}  # each layer's device has its own copy
 
     def limit(self, layer) -> int:
         """The most tokens ``layer`` can ever hold for a query: its window, or the whole run."""
@@ -349,7 +380,11 @@ class _Retention:
             return
         tokens = min(self.most, self.limit(layer))
         every = self.kv.evict_every
-        self.kv.evict(layer, self.budgets, next_positions, capacity=tokens + every, due=step % every == 0)
+        budgets = self.on_device.get(next_positions.device)
+        if budgets is None:
+            budgets = self.on_device[next_positions.device] = Budgets.for_prompts(
+                self.kv, self.lengths, next_positions.device)
+        self.kv.evict(layer, budgets, next_positions, capacity=tokens + every, due=step % every == 0)
 
 
 class _TokenChooser:

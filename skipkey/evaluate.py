@@ -206,7 +206,8 @@ def main(args) -> int:
         raise InputError("--figure draws the KV retrieval accuracy: it needs --suite kv and --retrieval-lengths")
     if "tuned" in args.suite and not args.adapter:
         raise InputError("the tuned suite needs --adapter DIR (an adapter written by `python -m skipkey finetune`)")
-    loaded = load(args.model, args.device, args.dtype)
+    loaded = load(args.model, args.device, args.dtype, device_map=args.device_map, max_memory=args.max_memory,
+                  offload_dir=args.offload_dir)
     prompts = (ORDINARY_PROMPTS * 2)[: args.prompts]
     result = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype),
               "date": time.strftime("%Y-%m-%d"), "machine": machine_description(loaded.device),

@@ -11,10 +11,14 @@ The dense copy is float32. transformers dequantises the GGUF into float32, so a
 float32 copy holds exactly those values (the conversion checks that the logits
 match, and they do to the bit); bfloat16 would round them once more to save about
 0.5 GB of disk (1.07 GB -> 0.54 GB). ``load_model`` casts to the requested dtype.
+
+A model that does not fit one device is loaded with a device map: transformers
+and accelerate place it (``skipkey.offload``), across GPUs, the CPU and the disk.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -36,6 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from skipkey.errors import InputError, ModelLoadError
+from skipkey.offload import Placement, dispatch, execution_device, make_placement, offload_folder, remove_with
 
 EMBEDDED = "embedded"
 
@@ -77,8 +82,9 @@ class LoadedModel:
     model: transformers.PreTrainedModel
     tokenizer: transformers.PreTrainedTokenizerBase
     name: str
-    device: torch.device
+    device: torch.device  # where the input ids go (the embedding's execution device under a device map)
     dtype: torch.dtype
+    placement: Placement | None = None  # how accelerate placed it; None: whole on ``device``
 
     @property
     def context_length(self) -> int:
@@ -199,9 +205,20 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     cache_dir: str | Path | None = None,
     progress: bool = True,
+    *,
+    device_map: str | dict | None = None,
+    max_memory: str | dict | None = None,
+    offload_dir: str | Path | None = None,
 ) -> LoadedModel:
-    """Load "embedded", a Hugging Face Hub id, or a local directory; never runs remote code."""
-    resolved_device = resolve_device(device)
+    """Load "embedded", a Hugging Face Hub id, or a local directory; never runs remote code.
+
+    With ``device_map`` ("auto" or module -> device) transformers and accelerate
+    place the model instead of ``model.to(device)``: across GPUs, the CPU and the
+    disk, within ``max_memory`` per device, offloaded weights in ``offload_dir``
+    where they must be written (see ``skipkey.offload.make_placement``).
+    """
+    placement = make_placement(device_map, max_memory, offload_dir, device=device)
+    resolved_device = placement.main_device() if placement is not None else resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     if not isinstance(name, str) or not name.strip():
         raise InputError(f"Model name {name!r} is not a non-empty string; {_ACCEPTED_NAMES}")
@@ -210,18 +227,47 @@ def load_model(
     else:
         source, hub_id = _local_dir_or_hub_id(name)
 
-    with _progress_bars(progress):
-        if hub_id is None:
-            model, tokenizer = _from_pretrained(source, resolved_dtype, local_files_only=True, label=name)
-        else:
-            model, tokenizer = _from_hub(hub_id, resolved_dtype)
+    folder = offload_folder(placement) if placement is not None else None
+    placing = {} if placement is None else dict(
+        device_map=dict(placement.device_map) if not isinstance(placement.device_map, str) else placement.device_map,
+        max_memory=dict(placement.max_memory) if placement.max_memory is not None else None,
+        offload_folder=folder)
+    try:
+        with _progress_bars(progress):
+            if hub_id is None:
+                model, tokenizer = _from_pretrained(source, resolved_dtype, local_files_only=True, label=name,
+                                                    placing=placing)
+            else:
+                model, tokenizer = _from_hub(hub_id, resolved_dtype, placing)
+    except BaseException:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
 
-    model.to(resolved_device)
+    if placement is None:
+        model.to(resolved_device)
+    else:
+        remove_with(model, folder)
+        resolved_device = execution_device(model.get_input_embeddings()) or resolved_device
     model.eval()
     model.requires_grad_(False)
     _prepare_tokenizer(tokenizer, name)
     _fill_generation_defaults(model, tokenizer)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=resolved_device, dtype=resolved_dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=resolved_device, dtype=resolved_dtype,
+                       placement=placement)
+
+
+def place(loaded: LoadedModel, device_map: str | dict, max_memory: str | dict | None = None,
+          offload_dir: str | Path | None = None) -> LoadedModel:
+    """A model built in memory (``random:SHAPE``, a tiny test model), placed by accelerate under a device map.
+
+    The model is dispatched in place (its offloaded weights leave memory); the
+    returned ``LoadedModel`` says where its inputs go and how it was placed.
+    """
+    placement = make_placement(device_map, max_memory, offload_dir)
+    dispatch(loaded.model, placement)
+    device = execution_device(loaded.model.get_input_embeddings()) or placement.main_device()
+    return dataclasses.replace(loaded, device=device, placement=placement)
 
 
 _ACCEPTED_NAMES = (
@@ -244,10 +290,10 @@ def _local_dir_or_hub_id(name: str) -> tuple[str, str | None]:
     return name, name
 
 
-def _from_hub(hub_id: str, dtype: torch.dtype):
+def _from_hub(hub_id: str, dtype: torch.dtype, placing: dict):
     """Try the local Hugging Face cache first (no network), then the Hub."""
     try:
-        return _from_pretrained(hub_id, dtype, local_files_only=True, label=hub_id)
+        return _from_pretrained(hub_id, dtype, local_files_only=True, label=hub_id, placing=placing)
     except ModelLoadError as error:
         if not isinstance(error.__cause__, OSError) or not _is_missing_locally(error.__cause__):
             raise
@@ -255,15 +301,16 @@ def _from_hub(hub_id: str, dtype: torch.dtype):
         raise ModelLoadError(_offline_message(hub_id, "offline: HF_HUB_OFFLINE is set"))
     if not _hub_resolvable():
         raise ModelLoadError(_offline_message(hub_id, "offline"))
-    return _from_pretrained(hub_id, dtype, local_files_only=False, label=hub_id)
+    return _from_pretrained(hub_id, dtype, local_files_only=False, label=hub_id, placing=placing)
 
 
-def _from_pretrained(source: str, dtype: torch.dtype, local_files_only: bool, label: str):
+def _from_pretrained(source: str, dtype: torch.dtype, local_files_only: bool, label: str, placing: dict):
+    """``placing``: transformers' own device_map, max_memory and offload_folder arguments, or nothing."""
     try:
         AutoConfig.from_pretrained(source, trust_remote_code=False, local_files_only=local_files_only)
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False, local_files_only=local_files_only)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, trust_remote_code=False, local_files_only=local_files_only
+            source, dtype=dtype, trust_remote_code=False, local_files_only=local_files_only, **placing
         )
     except Exception as error:  # transformers raises OSError/ValueError/... with multi-line text
         raise ModelLoadError(_load_failure_message(label, error)) from error

@@ -110,6 +110,12 @@ def _copy_for_merge(model, target_modules: list[str]):
     return copy.deepcopy(model, memo)
 
 
+def whole_model_needed(name: str) -> str:
+    """Why an adapter is refused for a model placed with a device map."""
+    return (f"A SkipDecode adapter is merged into a copy of the whole model, which {name!r} placed with a device "
+            "map does not hold in memory; load it without a device map")
+
+
 def load_tuned(loaded, adapter_dir: str | Path):
     """A NEW ``LoadedModel``: ``loaded``'s weights with the SkipDecode LoRA adapters merged in.
 
@@ -119,6 +125,8 @@ def load_tuned(loaded, adapter_dir: str | Path):
     """
     from peft import PeftModel
 
+    if loaded.placement is not None:
+        raise InputError(whole_model_needed(loaded.name))
     meta = read_metadata(adapter_dir)
     directory = Path(adapter_dir).expanduser()
     check_compatible(meta, loaded, directory)

@@ -75,6 +75,34 @@ def compute(trace: Trace) -> Compute:
 
 
 @dataclass(frozen=True)
+class Transfer:
+    """Weight bytes moved onto the compute devices per decode step, where a device map offloads weights.
+
+    accelerate loads an offloaded module's weights before each of its forwards; a
+    layer SkipDecode skips is never called, so it moves nothing. ``transfer_ratio``
+    is full depth over this run: what the skip saves when moving weights dominates.
+    """
+
+    bytes_per_step: float  # mean over the decode steps
+    full_bytes_per_step: float  # every layer, plus the parts that never skip
+    transfer_ratio: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def transfer(trace: Trace) -> Transfer | None:
+    """The weight traffic of the decode steps, or None when nothing is offloaded."""
+    per_layer, fixed = trace.layer_transfer_bytes, trace.fixed_transfer_bytes
+    full = sum(per_layer) + fixed
+    if not full:
+        return None
+    moved = [sum(per_layer[i] for i in e.layers) + fixed for e in trace.decode_events] or [full]
+    mean = sum(moved) / len(moved)
+    return Transfer(bytes_per_step=mean, full_bytes_per_step=float(full), transfer_ratio=full / mean)
+
+
+@dataclass(frozen=True)
 class StepCost:
     """Decode step time fitted as ``fixed + layers * per_layer`` (least squares over the steps).
 

@@ -1,31 +1,46 @@
 """The one way the CLI names a model: "embedded", a Hub id, a local directory, or ``random:SHAPE``.
 
-Plus, optionally, a SkipDecode LoRA adapter merged into a copy (``skipkey.lora``).
-The app offers only its allow-list and loads through ``skipkey.loading`` directly.
+Plus, optionally, a SkipDecode LoRA adapter merged into a copy (``skipkey.lora``),
+or a device map that places the model across GPUs, the CPU and the disk
+(``skipkey.offload``). The app offers only its allow-list and loads through
+``skipkey.loading`` directly.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from skipkey.loading import LoadedModel, load_model, resolve_device, resolve_dtype
-from skipkey.lora import load_tuned
+from skipkey.loading import LoadedModel, load_model, place, resolve_device, resolve_dtype
+from skipkey.errors import InputError
+from skipkey.lora import load_tuned, whole_model_needed
+from skipkey.offload import make_placement
 from skipkey.tiny import shaped_model
 
 RANDOM_PREFIX = "random:"
 
 
 def load(name: str, device: str | None = None, dtype: str | None = None,
-         adapter: str | Path | None = None) -> LoadedModel:
+         adapter: str | Path | None = None, *, device_map: str | dict | None = None,
+         max_memory: str | dict | None = None, offload_dir: str | Path | None = None) -> LoadedModel:
     """The model ``name`` on ``device`` in ``dtype`` (defaults: ``skipkey.loading``'s choice).
 
     ``random:SHAPE`` (see ``skipkey.tiny.SHAPES``) has random weights, for speed
     benchmarks. ``adapter``: a SkipDecode LoRA adapter (from ``finetune``) merged
-    into a copy; refused for a model it was not trained for.
+    into a copy; refused for a model it was not trained for. ``device_map``,
+    ``max_memory``, ``offload_dir``: placed by accelerate instead of ``device``
+    (``skipkey.loading.load_model``).
     """
+    if adapter is not None and make_placement(device_map, max_memory, offload_dir, device=device) is not None:
+        raise InputError(whole_model_needed(name))  # before minutes of loading
     if name.startswith(RANDOM_PREFIX):
-        dev = resolve_device(device)
-        loaded = shaped_model(name[len(RANDOM_PREFIX):], device=dev, dtype=resolve_dtype(dtype, dev))
+        placement = make_placement(device_map, max_memory, offload_dir, device=device)
+        dev = resolve_device(device) if placement is None else placement.main_device()
+        # Under a device map the weights are made on the CPU, then accelerate places them.
+        loaded = shaped_model(name[len(RANDOM_PREFIX):], device=dev if placement is None else "cpu",
+                              dtype=resolve_dtype(dtype, dev))
+        if placement is not None:
+            loaded = place(loaded, placement.device_map, placement.max_memory, placement.offload_dir)
     else:
-        loaded = load_model(name, device=device, dtype=dtype)
+        loaded = load_model(name, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory,
+                            offload_dir=offload_dir)
     return load_tuned(loaded, adapter) if adapter is not None else loaded

@@ -72,8 +72,12 @@ def tiny_config(family: str, *, num_layers: int = 6, vocab_size: int = 259, slid
     raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
-def tiny_model(family: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
-    """A ``LoadedModel`` with random weights of the given family and the byte tokenizer."""
+def tiny_model(family: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", **config_kwargs):
+    """A ``LoadedModel`` with random weights of the given family and the byte tokenizer.
+
+    The weights are drawn on the CPU whatever ``device``, so they are the same everywhere.
+    """
     from skipkey.loading import LoadedModel
 
     torch.manual_seed(seed)
@@ -87,13 +91,20 @@ def tiny_model(family: str = "llama", *, seed: int = 0, dtype: torch.dtype = tor
     model.requires_grad_(False)
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.eos_token_id = config.eos_token_id
-    return LoadedModel(model=model, tokenizer=byte_tokenizer(), name=f"tiny-{family}",
-                       device=torch.device("cpu"), dtype=dtype)
+    device = torch.device(device)
+    model.to(device)
+    return LoadedModel(model=model, tokenizer=byte_tokenizer(), name=f"tiny-{family}", device=device, dtype=dtype)
 
 
 # Random-weight models shaped like published ones, for speed benchmarks: a step's cost
 # depends on the shapes, not on the weight values.
 SHAPES = {
+    # Small published shapes: the GPU check's dry run (CI) runs its benchmarks on these.
+    "opt-125m": ("opt", dict(hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12,
+                             vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=768)),
+    "llama-68m": ("llama", dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2,
+                                num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
+                                max_position_embeddings=2048)),
     "opt-1.3b": ("opt", dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24, num_attention_heads=32,
                              vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048)),
     "opt-6.7b": ("opt", dict(hidden_size=4096, ffn_dim=16384, num_hidden_layers=32, num_attention_heads=32,

@@ -23,6 +23,10 @@ class Trace:
     bytes_per_param: float = 0.0  # of the weights, for the bytes a step reads (0: unknown)
     events: list[StepEvent] = field(default_factory=list)
     stopped: bool = False
+    # Under a device map that offloads weights: the bytes one run of each decoder layer moves onto its
+    # compute device, and those of everything a step runs whatever it skips (embedding, norm, LM head).
+    layer_transfer_bytes: tuple[int, ...] = ()
+    fixed_transfer_bytes: int = 0
 
     @classmethod
     def for_engine(cls, engine: Engine, label: str = "") -> "Trace":
@@ -30,7 +34,9 @@ class Trace:
         layer_cost = sum(arch.layer_params(i) for i in range(arch.num_layers)) / arch.num_layers
         return cls(num_layers=arch.num_layers, layer_cost=float(layer_cost),
                    head_cost=float(arch.lm_head_params), label=label,
-                   bytes_per_param=float(next(engine.model.parameters()).element_size()))
+                   bytes_per_param=float(next(engine.model.parameters()).element_size()),
+                   layer_transfer_bytes=tuple(arch.layer_transfer_bytes(i) for i in range(arch.num_layers)),
+                   fixed_transfer_bytes=arch.fixed_transfer_bytes())
 
     @classmethod
     def collect(cls, engine: Engine, prompts, settings=None, *, stop: threading.Event | None = None,

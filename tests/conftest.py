@@ -14,6 +14,11 @@ from skipkey.tiny import tiny_model  # noqa: E402
 # Tiny models are all overhead: one thread avoids oversubscription on small CI machines.
 torch.set_num_threads(1)
 
+# The device the engine tests run on: the CPU, or SKIPKEY_TEST_DEVICE=cuda (assets/results/gpu.sh).
+TEST_DEVICE = torch.device(os.environ.get("SKIPKEY_TEST_DEVICE", "cpu"))
+if TEST_DEVICE.type == "cuda" and TEST_DEVICE.index is None:
+    TEST_DEVICE = torch.device("cuda", 0)  # as tensors name it, so devices compare equal
+
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
     "Hi",
@@ -28,7 +33,7 @@ def tiny_models():
     def get(family="llama", **kwargs):
         key = (family, tuple(sorted(kwargs.items())))
         if key not in cache:
-            cache[key] = tiny_model(family, **kwargs)
+            cache[key] = tiny_model(family, device=TEST_DEVICE, **kwargs)
         return cache[key]
 
     return get

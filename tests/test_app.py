@@ -70,6 +70,39 @@ def test_allow_list_puts_the_embedded_model_first(monkeypatch):
     assert allowed_models() == ("embedded", "Qwen/Qwen2.5-0.5B")
 
 
+def test_server_placement_comes_from_the_environment(monkeypatch, tmp_path):
+    env = {"SKIPKEY_DEVICE_MAP": "auto", "SKIPKEY_MAX_MEMORY": "cpu:300MiB", "SKIPKEY_OFFLOAD_DIR": str(tmp_path)}
+    assert app_logic.placement_options(env) == dict(device_map="auto", max_memory="cpu:300MiB",
+                                                    offload_dir=str(tmp_path))
+    placement = app_logic.server_placement(env)
+    assert placement.device_map == "auto" and dict(placement.max_memory) == {"cpu": 300 * 2**20}
+    assert app_logic.server_placement({}) is None
+    with pytest.raises(InputError, match="only used with a device map.*SKIPKEY_DEVICE_MAP"):
+        app_logic.server_placement({"SKIPKEY_MAX_MEMORY": "cpu:1GiB"})
+    with pytest.raises(InputError, match="cannot be written"):
+        app_logic.server_placement({"SKIPKEY_DEVICE_MAP": "auto", "SKIPKEY_OFFLOAD_DIR": "/proc/skipkey"})
+    # Tuned weights are a merged copy of the whole model: not offered under a device map.
+    monkeypatch.setenv("SKIPKEY_DEVICE_MAP", "auto")
+    assert app_logic.default_adapters() == {}
+    monkeypatch.setenv("SKIPKEY_MAX_MEMORY", "lots")
+    with pytest.raises(SystemExit, match="error: Cannot read max memory"):
+        app.main()
+
+
+def test_the_comparison_runs_on_an_offloaded_model(tmp_path):
+    from skipkey.loading import place
+    from skipkey.tiny import tiny_model
+
+    lm = place(tiny_model("gemma3", seed=1), "auto", {"cpu": 600_000}, tmp_path)
+    handlers = app.Handlers(ModelCache(lambda name: lm, adapters={}), figure_every=2, figure_interval=0,
+                            text_interval=0)
+    status = [out.status for out in handlers.select_model("embedded")][-1]
+    assert "placed by accelerate (device map auto" in status
+    final = list(handlers.compare(dataclasses.replace(CONTROLS, kv_on=False)))[-1]
+    assert final.skip_text and final.full_text
+    assert "weights moved" in final.full_metrics and "transfer ratio" in final.skip_metrics
+
+
 def test_models_load_once_and_only_from_the_allow_list(tiny):
     calls = []
 

@@ -57,6 +57,11 @@ def test_generate_streams_text(capsys, model_dir):
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be in 1.."),
     (["--prompt", "hi", "--device", "tpu"], "Unknown device"),
     (["--prompt", "x" * 1100], "exceeds the model's context"),
+    (["--prompt", "hi", "--max-memory", "cpu:1GiB"], "only used with a device map"),
+    (["--prompt", "hi", "--device", "cpu", "--device-map", "auto"], "or a device map, not both"),
+    (["--prompt", "hi", "--device-map", "auto", "--max-memory", "cpu"], "Cannot read max memory"),
+    (["--prompt", "hi", "--device-map", "auto", "--offload-dir", "/proc/skipkey-offload"], "cannot be written"),
+    (["--prompt", "hi", "--device-map", "auto", "--adapter", "assets/skipdecode-lora"], "without a device map"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, model_dir, argv, message):
     code, _, err = run_cli(capsys, "generate", "--model", model_dir, *argv)
@@ -85,6 +90,34 @@ def test_bench_reports_ratios_against_full_and_generate(capsys, model_dir, tmp_p
         assert result["rows"][2]["nominal_speedup"] > 1.2
         assert all(row["tokens_per_s"] > 0 for row in result["rows"])
     assert "vs full" in out
+
+
+def test_generate_and_bench_under_disk_offload(capsys, model_dir, tmp_path):
+    """--device-map auto with a --max-memory smaller than the model: the same tokens, and the weights moved."""
+    offload = ["--device-map", "auto", "--max-memory", "cpu:600KB", "--offload-dir", str(tmp_path / "offload")]
+    generate = ["generate", "--model", model_dir, "--prompt", "Once upon a time there was", "--max-new-tokens",
+                "10", "--dtype", "float32", "--json", "--skip-target", "2.0"]
+    code, out, _ = run_cli(capsys, *generate, "--device", "cpu")
+    whole = json.loads(out)
+    code, out, _ = run_cli(capsys, *generate, *offload)
+    assert code == 0
+    placed = json.loads(out)
+    assert placed["token_ids"] == whole["token_ids"] and whole["weight_transfer"] is None
+    assert "disk" in placed["placement"]["device_map"].values()
+    assert placed["weight_transfer"]["transfer_ratio"] > 1.2
+
+    out_file = tmp_path / "bench.json"
+    code, out, _ = run_cli(capsys, "bench", "--model", model_dir, "--dtype", "float32", "--max-new-tokens", "6",
+                           "--prompt-tokens", "24", "--repeats", "1", "--warmup", "0", "--compare-targets", "2",
+                           *offload, "--output", str(out_file))
+    assert code == 0 and "transfer" in out
+    [result] = json.loads(out_file.read_text())
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert rows["generate"]["transfer_ratio"] is None and rows["full"]["transfer_ratio"] == pytest.approx(1.0)
+    assert rows["skip top 2.0x"]["transfer_ratio"] > 1.2 and rows["full"]["weight_bytes_per_step"] > 0
+    assert result["placement"]["request"].startswith("device map auto")
+    code, _, err = run_cli(capsys, "bench", "--model", model_dir, *offload, "--adapter", "assets/skipdecode-lora")
+    assert code == 2 and "load it without a device map" in err
 
 
 def test_kv_eval_without_retrieval_reports_agreement_and_long_text_scores(capsys, model_dir, tmp_path):

@@ -23,16 +23,18 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def embedded():
+    from conftest import TEST_DEVICE
     from skipkey.loading import load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    yield load_model("embedded", dtype="float32", progress=False)
+    yield load_model("embedded", device=TEST_DEVICE, dtype="float32", progress=False)
     torch.set_num_threads(threads)
 
 
 def hf_greedy(lm, ids, n):
-    out = lm.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+    out = lm.model.generate(torch.tensor([ids], device=lm.device),
+                            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=lm.device),
                             max_new_tokens=n, do_sample=False)
     new = out[0, len(ids):].tolist()
     eos = [lm.model.generation_config.eos_token_id]

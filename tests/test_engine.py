@@ -15,7 +15,8 @@ from skipkey.trace import Trace
 
 def hf_greedy(lm, prompt, n):
     ids = lm.tokenizer(prompt)["input_ids"]
-    out = lm.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+    out = lm.model.generate(torch.tensor([ids], device=lm.device),
+                            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=lm.device),
                             max_new_tokens=n, do_sample=False)
     new = out[0, len(ids):].tolist()
     eos = lm.model.generation_config.eos_token_id
@@ -122,7 +123,7 @@ def test_forced_decode_logprobs_match_a_full_forward(tiny_models, family):
     events = list(Engine(lm).generate([prompt], forced=[continuation]))
     assert [e.tokens[0] for e in events] == continuation
     with torch.no_grad():
-        logits = lm.model(torch.tensor([prompt + continuation])).logits[0].float()
+        logits = lm.model(torch.tensor([prompt + continuation], device=lm.device)).logits[0].float().cpu()
     logp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(continuation)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor([e.logprobs[0] for e in events]), logp, rtol=1e-4, atol=1e-4)
     # The model's own choice at each forced position (teacher-forced next-token accuracy counts these).

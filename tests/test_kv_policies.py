@@ -132,7 +132,7 @@ def test_combined_decode_equals_no_cache_reference(tiny_models, family, name):
     finally:
         hook.remove()
     tokens = trace.tokens()
-    ids = torch.tensor([prompt_ids + tokens[:-1]])
+    ids = torch.tensor([prompt_ids + tokens[:-1]], device=lm.device)
     kept = [e.kept for e in trace.events]
     with torch.no_grad():
         ref = teacher_forced_logits(engine.arch, ids, len(prompt_ids), trace.layer_sets[1:], kept)

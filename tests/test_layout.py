@@ -17,7 +17,7 @@ PACKAGE = ROOT / "skipkey"
 # Bottom to top, in the order data flows (the README's module table follows it).
 # A module may import only the modules listed before it.
 LAYERS = (
-    "errors", "__init__", "config", "provenance", "prompts", "loading", "tiny",
+    "errors", "__init__", "config", "provenance", "prompts", "offload", "loading", "tiny",
     "attention", "cache", "architectures", "schedules", "skipdecode", "kv_policies", "engine",
     "trace", "metrics", "figures", "teacher_forced",
     "lora", "models", "bench", "evaluate", "finetune", "app_logic", "cli", "__main__",

@@ -1,9 +1,11 @@
 """Metrics are pure functions of a recorded trace: checked on traces built by hand."""
 
+import dataclasses
+
 import pytest
 
 from skipkey.engine import StepEvent
-from skipkey.metrics import compute, speed, step_cost
+from skipkey.metrics import compute, speed, step_cost, transfer
 from skipkey.trace import Trace
 
 
@@ -33,3 +35,18 @@ def test_compute_ratio_counts_the_head_that_never_skips():
     c = compute(trace)
     assert c.nominal_speedup == pytest.approx(2.0)
     assert c.compute_ratio == pytest.approx((8 * 100 + 200) / (4 * 100 + 200))
+
+
+def test_transfer_ratio_counts_the_weight_bytes_each_step_moves():
+    # Layers 0-1 stay on the compute device, 2-7 are offloaded (10 bytes each); the head moves 20 a step.
+    trace = dataclasses.replace(trace_of([8, 4, 8, 3], [0.1, 0.01, 0.01, 0.01]),
+                                layer_transfer_bytes=(0, 0, 10, 10, 10, 10, 10, 10), fixed_transfer_bytes=20)
+    moved = transfer(trace)
+    steps = [20 + 20, 20 + 60, 20 + 10]  # layers 0-3, 0-7 and 0-2 of the decode steps
+    assert moved.full_bytes_per_step == 80
+    assert moved.bytes_per_step == pytest.approx(sum(steps) / 3)
+    assert moved.transfer_ratio == pytest.approx(80 / (sum(steps) / 3))
+
+
+def test_no_transfer_ratio_without_offloaded_weights():
+    assert transfer(trace_of([8, 4], [0.1, 0.01])) is None

@@ -63,7 +63,7 @@ def test_cached_skipping_decode_equals_no_cache_reference(tiny_models, family, p
             layer_sets.append(event.layers)
     finally:
         hook.remove()
-    ids = torch.tensor([prompt_ids + tokens[:-1]])
+    ids = torch.tensor([prompt_ids + tokens[:-1]], device=lm.device)
     with torch.no_grad():
         ref = teacher_forced_logits(engine.arch, ids, len(prompt_ids), layer_sets[1:])
     engine_logits = torch.stack(head_out)

@@ -57,7 +57,7 @@ def padded(prompt_ids, generated, side):
 def test_batch_equals_engine_cached_decode(tiny_models, monkeypatch, family, policy, side):
     lm = tiny_models(family)
     adapter, prompt_ids, generated, layer_sets, engine_logits = engine_run(lm, monkeypatch, policy)
-    ids, mask, at = padded(prompt_ids, generated, side)
+    ids, mask, at = (t.to(lm.device) for t in padded(prompt_ids, generated, side))
     with torch.no_grad():
         logits = teacher_forced_logits_batch(adapter, ids, [len(p) for p in prompt_ids], layer_sets,
                                              attention_mask=mask, logits_at=at)
@@ -71,7 +71,7 @@ def test_batch_equals_engine_cached_decode(tiny_models, monkeypatch, family, pol
 def test_one_unpadded_row_is_the_single_sequence_function(tiny_models):
     lm = tiny_models("gemma3")
     adapter = Engine(lm).arch
-    ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"]])
+    ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"]], device=lm.device)
     sets = SkipDecode(LinearSchedule(6, 2, 8)).plan(6).layer_sets(ids.shape[1] - 20)
     with torch.no_grad():
         single = teacher_forced_logits(adapter, ids, 20, sets)
@@ -83,7 +83,7 @@ def test_gradients_reach_every_layer_through_skipping(tiny_models):
     lm = tiny_models("llama")
     adapter = Engine(lm).arch
     weights = [layer.mlp.down_proj.weight for layer in adapter.layers]
-    ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"]])
+    ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"]], device=lm.device)
     at = torch.zeros_like(ids, dtype=torch.bool)
     at[0, 20:] = True  # generated positions only; the prompt runs every layer and feeds them
     try:

@@ -28,3 +28,9 @@ $py --model embedded --prompt-tokens 1024 2048 4096 --max-new-tokens 32 --repeat
     --no-generate --compare-kv keyformer window --kv-budget 0.5 --output $out/bench_kv_embedded.json
 $py --model random:llama-mha-350m --prompt-tokens 1024 2048 4096 --max-new-tokens 32 \
     --warmup 0 --repeats 1 --no-generate --compare-kv keyformer window --kv-budget 0.5 --output $out/bench_kv_llama350m.json
+
+# SkipDecode under disk offload (issue 14): the embedded model with layers 1-17 on the disk, both sides under the
+# same map; the transfer ratio beside the compute ratio.
+$py --model embedded --dtype float32 --device-map auto --max-memory cpu:700MiB --offload-dir /tmp/skipkey-offload \
+    --prompt-tokens 64 --max-new-tokens 32 --batch 1 --repeats 2 --no-generate --compare-targets 1.5 2 3 \
+    --output $out/bench_offload_embedded.json
