@@ -176,13 +176,14 @@ class KVPolicy:
         if layer.window is not None:
             if budgets.least < layer.window - 1 or layer.held != layer.window:
                 return False
-            victim = positions.argmin(dim=-1, keepdim=True)
+            victim = positions.min(dim=-1, keepdim=True).indices
         else:
             if budgets.most != budgets.least or layer.held != budgets.most + 1:
                 return False
-            prio = self.priority(layer, next_positions, budgets)
+            prio = self.priority(layer, next_positions, budgets).float()
             protected = positions >= (next_positions - budgets.recent)[:, None, None]
-            victim = torch.where(protected, _PROTECTED, prio.float()).argmin(dim=-1, keepdim=True)
+            # min(...).indices rather than argmin: half the time on CPU for these sizes.
+            victim = prio.masked_fill(protected, _PROTECTED).min(dim=-1, keepdim=True).indices
         layer.free(victim)
         return True
 
