@@ -313,19 +313,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--retrieval-lengths", type=int, nargs="*", default=[1024, 2048, 4096],
                    help="prompt lengths for the retrieval test; none (the flag alone) skips it")
-    p.add_argument("--retrieval-samples", type=int, default=5)
+    p.add_argument("--retrieval-tasks", "--retrieval-samples", type=int, default=24,
+                   help="retrieval tasks per length: pass key, key-value and name facts in turn, at depths "
+                        "spread over 10-90%% of the prompt")
+    p.add_argument("--retrieval-seed", type=int, default=0,
+                   help="seeds the retrieval tasks (keep one seed for tuning options, another for the benchmark)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     p.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0, 5.0])
-    p.add_argument("--kv-policies", nargs="+", default=list(KV_POLICIES))
+    p.add_argument("--kv-policies", nargs="+", default=[name for name in KV_POLICIES if name != "full"],
+                   metavar="POLICY[:OPTION=VALUE,...]",
+                   help="KV policies, each at every --budgets (the full model always runs); options after a "
+                        "colon, e.g. keyformer:observe=32,pool=7")
+    p.add_argument("--kv-parts", nargs="+", default=["retrieval", "agreement", "long-text"],
+                   choices=["retrieval", "agreement", "long-text"], help="which parts of the kv suite to run")
+    p.add_argument("--no-combined", action="store_true",
+                   help="leave out the kv suite's Keyformer 50%% + SkipDecode 2x config")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the retrieval results in --output: tasks done there are not run again, "
+                        "and configs added since run on them alone")
     p.add_argument("--ppl-tokens", type=int, default=256,
                    help="long-text perplexity: tokens scored after a --ppl-prompt-tokens prompt")
     p.add_argument("--kv-prompt-tokens", type=int, default=384,
                    help="KV agreement: documents of about this many tokens are continued (the budget is a share)")
     p.add_argument("--ppl-prompt-tokens", type=int, default=1024,
                    help="long-text perplexity: the prompt (what the KV budget is a share of)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", help="write results JSON here")
-    p.add_argument("--figure", help="write the accuracy-vs-budget Plotly figure (HTML or PNG) here")
+    p.add_argument("--seed", type=int, default=0, help="seeds Keyformer's noise")
+    p.add_argument("--output", help="write results JSON here (rewritten after every retrieval task)")
+    p.add_argument("--figure", help="write the retrieval accuracy-vs-budget Plotly figure (HTML, or PNG beside "
+                                    "an HTML copy) here")
     add_placement_args(p)
     add_adapter_arg(p, "the SkipDecode LoRA adapter the tuned suite evaluates")
     p.set_defaults(func=cmd_eval)

@@ -5,29 +5,34 @@
 * perplexity: teacher-forced through the real cached decode (eviction and
   skipping included) — of the full model's own continuations (SkipDecode), and
   of long real text (KV policies);
-* retrieval: a pass key or a key-value fact stated early in a long filler prompt
-  and asked for at its end, scored by exact match (KV policies).
+* retrieval: a fact (a pass key, one code among many, a person's name) hidden at
+  a varied depth of a long filler prompt and asked for at its end (KV policies);
+  accuracy per policy, budget and length with 95% Wilson intervals, against the
+  full model's. Each task's prompt runs once and every config decodes from it.
 
 The prompts, tasks and long text come from ``skipkey.prompts``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import shutil
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from skipkey.config import GenerationSettings, decode_steps
 from skipkey.engine import Engine
 from skipkey.errors import InputError
-from skipkey.kv_policies import make_kv_policy
+from skipkey.kv_policies import format_policy_spec, make_kv_policy, parse_policy_spec
 from skipkey.lora import load_tuned, read_metadata
 from skipkey.metrics import agreement, rouge_l
 from skipkey.models import load
-from skipkey.prompts import ORDINARY_PROMPTS, document_prompts, long_text_ids, retrieval_tasks, retrieved
+from skipkey.prompts import (ORDINARY_PROMPTS, RETRIEVAL_FAMILIES, RETRIEVAL_NEW_TOKENS, document_prompts,
+                             long_text_ids, retrieval_tasks, retrieved)
 from skipkey.provenance import command_line, machine_description
 from skipkey.skipdecode import make_skipdecode
 from skipkey.trace import Trace
@@ -42,6 +47,12 @@ class EvalConfig:
     budget: float | None = None
     target: float | None = None
     model: object = None  # the LoadedModel to decode with (a tuned copy); None = the reference model
+    options: dict = field(default_factory=dict)  # the KV policy's own options (observe, pool, ...)
+    spec: str = ""  # the KV policy as --kv-policies names it, options included: what a figure's line is
+
+    @property
+    def series(self) -> str:
+        return self.spec or self.policy
 
 
 def _generate(loaded, config: EvalConfig, prompts, settings, **kwargs) -> Trace:
@@ -88,18 +99,123 @@ def quality(loaded, configs: list[EvalConfig], prompts: list[str], max_new_token
     return rows
 
 
-def retrieval(loaded, configs: list[EvalConfig], lengths: list[int], samples: int, seed: int, log) -> list[dict]:
-    settings = GenerationSettings(max_new_tokens=6)
-    rows = []
+def wilson_interval(hits: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval of a share ``hits / n`` (95% by default).
+
+    Unlike the normal approximation it stays inside [0, 1] and is not empty at 0 or
+    ``n`` hits, which is where small retrieval samples sit.
+    """
+    if n == 0:
+        return 0.0, 1.0
+    p, zz = hits / n, z * z
+    centre = (p + zz / (2 * n)) / (1 + zz / n)
+    half = z * math.sqrt(p * (1 - p) / n + zz / (4 * n * n)) / (1 + zz / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def retrieval(loaded, configs: list[EvalConfig], lengths: list[int], count: int, seed: int, log, *,
+              done: list[dict] = (), save=None, share_prompt_pass: bool = True) -> list[dict]:
+    """Every config on ``count`` seeded tasks per length: one record per task, each config's output and hit.
+
+    Each task's prompt runs once (``Engine.prompt_pass``) and every config, the full
+    model included, decodes from that pass; the pass is freed before the next task.
+    ``done``: records of an earlier run of the same settings (``--resume``); a task whose
+    prompt is unchanged runs only the configs it lacks. ``save(records)`` is called after
+    every task, so a long run leaves its partial results behind.
+    """
+    earlier = {(r["length"], r["index"]): r for r in done}
+    records: list[dict] = []
     for length in lengths:
-        tasks = retrieval_tasks(loaded.tokenizer, length, samples, seed)
+        tasks = retrieval_tasks(loaded.tokenizer, length, count, seed)
+        log(f"## retrieval at {length} tokens: {len(tasks)} tasks x {len(configs)} configs")
+        started, ran = time.perf_counter(), 0
+        for index, task in enumerate(tasks):
+            record = earlier.get((length, index))
+            if record is None or record["prompt_sha1"] != _digest(task.prompt):
+                record = dict(length=length, index=index, family=task.family, depth=task.depth, answer=task.answer,
+                              prompt_tokens=len(loaded.tokenizer(task.prompt)["input_ids"]),
+                              prompt_sha1=_digest(task.prompt), outputs={}, hits={})
+            todo = [c for c in configs if c.label not in record["hits"]]
+            if todo:
+                task_started = time.perf_counter()
+                recorded = Engine(loaded).prompt_pass([task.prompt]) if share_prompt_pass else None
+                prompt_s = time.perf_counter() - task_started
+                settings = GenerationSettings(max_new_tokens=task.new_tokens)
+                for config in todo:
+                    config_started = time.perf_counter()
+                    shared = recorded if config.model is None else None  # a tuned copy runs its own prompt
+                    text = _generate(loaded, config, [task.prompt], settings, prompt_pass=shared).text()
+                    record["outputs"][config.label] = text
+                    record["hits"][config.label] = retrieved(text, task.answer)
+                    record.setdefault("config_seconds", {})[config.label] = round(
+                        time.perf_counter() - config_started, 2)
+                del recorded
+                record["prompt_pass_seconds"] = round(prompt_s, 2)
+                record["seconds"] = round(time.perf_counter() - task_started, 1)
+                ran += 1
+            records.append(record)
+            hit = [c.label for c in configs if record["hits"][c.label] and c.label != "full"]
+            note = "resumed" if not todo else (
+                f"prompt pass {prompt_s:.1f} s, all {record['seconds']:.0f} s; about "
+                f"{(time.perf_counter() - started) / ran * (len(tasks) - index - 1) / 60:.0f} min "
+                f"left at {length}")
+            log(f"  [{length} {index + 1}/{len(tasks)}] {task.family} at depth {task.depth:.0%}: full "
+                f"{'hit' if record['hits']['full'] else 'miss'}, {len(hit)}/{len(configs) - 1} configs hit "
+                f"({note}){': ' + ', '.join(hit) if hit else ''}")
+            if save is not None:
+                save(records)
+    return records
+
+
+def retrieval_rows(records: list[dict], configs: list[EvalConfig]) -> list[dict]:
+    """Accuracy per config and length from task records, with 95% Wilson intervals, by family, and
+    against the full model: ``relative_to_full`` (accuracy / the full model's) and
+    ``full_hits_kept`` (the share of the full model's correct answers this config also gives)."""
+    rows = []
+    for length in dict.fromkeys(r["length"] for r in records):
+        tasks = [r for r in records if r["length"] == length]
+        full = [t["hits"]["full"] for t in tasks]
         for config in configs:
-            trace = _generate(loaded, config, [t.prompt for t in tasks], settings)
-            hits = [retrieved(trace.text(r), t.answer) for r, t in enumerate(tasks)]
-            rows.append(dict(label=config.label, policy=config.policy, budget=config.budget, length=length,
-                             accuracy=sum(hits) / len(hits), samples=len(hits)))
-            log(f"  retrieval {length}: {config.label}: {sum(hits)}/{len(hits)}")
+            hits = [t["hits"][config.label] for t in tasks]
+            n, got = len(hits), sum(hits)
+            low, high = wilson_interval(got, n)
+            families = {}
+            for family in RETRIEVAL_FAMILIES:
+                of = [h for h, t in zip(hits, tasks) if t["family"] == family]
+                if of:
+                    families[family] = dict(hits=sum(of), n=len(of), accuracy=sum(of) / len(of))
+            kept = sum(h and f for h, f in zip(hits, full))
+            rows.append(dict(label=config.label, policy=config.policy, options=config.options, spec=config.series,
+                             budget=config.budget, target=config.target, length=length, families=families,
+                             hits=got, n=n, accuracy=got / n, ci_low=low, ci_high=high,
+                             relative_to_full=(got / sum(full)) if sum(full) else None,
+                             full_hits_kept=(kept / sum(full)) if sum(full) else None))
     return rows
+
+
+def _cell(row: dict) -> str:
+    return f"{row['accuracy']:.2f} [{row['ci_low']:.2f}, {row['ci_high']:.2f}]"
+
+
+def retrieval_table(rows: list[dict]) -> str:
+    """The README's retrieval tables: per prompt length, one row per policy and one column per budget,
+    each cell "accuracy [95% Wilson interval]"; the full model's in the line above each table."""
+    out = []
+    for length in dict.fromkeys(r["length"] for r in rows):
+        at = [r for r in rows if r["length"] == length]
+        full = next(r for r in at if r["policy"] == "full")
+        budgets = sorted({r["budget"] for r in at if r["budget"] is not None})
+        out += [f"**{length} tokens**, {full['n']} tasks: full model {_cell(full)} ({full['hits']}/{full['n']})", "",
+                "| policy | " + " | ".join(f"{b:.0%}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+        for series in dict.fromkeys(r["spec"] for r in at if r["budget"] is not None):
+            cells = {r["budget"]: _cell(r) for r in at if r["spec"] == series}
+            out.append(f"| {series} | " + " | ".join(cells.get(b, "") for b in budgets) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
 def long_text_perplexity(loaded, configs: list[EvalConfig], prompt_tokens: int, continuation: int, log):
@@ -114,17 +230,27 @@ def long_text_perplexity(loaded, configs: list[EvalConfig], prompt_tokens: int, 
     return rows
 
 
-def kv_configs(num_layers: int, policies: list[str], budgets: list[float], seed: int, max_new_tokens: int):
+def kv_configs(num_layers: int, policies: list[str], budgets: list[float], seed: int, max_new_tokens: int,
+               combined: bool = True):
+    """The full model, each policy spec (``keyformer:observe=32,pool=7``) at each budget, and (``combined``)
+    Keyformer at 50% with SkipDecode at 2x. Labels name the spec and the budget: ``h2o 50%``."""
     configs = [EvalConfig("full")]
+    specs = [parse_policy_spec(spec) for spec in policies]
     for budget in budgets:
-        for name in policies:
+        for name, options in specs:
             if name == "full":
                 continue
-            configs.append(EvalConfig(f"{name} {budget:.0%}", kv=make_kv_policy(name, budget, seed=seed),
-                                      policy=name, budget=budget))
-    skip = make_skipdecode(num_layers, decode_steps(max_new_tokens), target=2.0)
-    configs.append(EvalConfig("keyformer 50% + skip 2x", skip=skip, kv=make_kv_policy("keyformer", 0.5, seed=seed),
-                              policy="keyformer+skip", budget=0.5, target=2.0))
+            spec = format_policy_spec(name, options)
+            configs.append(EvalConfig(f"{spec} {budget:.0%}", kv=make_kv_policy(name, budget, seed=seed, **options),
+                                      policy=name, budget=budget, options=options, spec=spec))
+    if combined:
+        skip = make_skipdecode(num_layers, decode_steps(max_new_tokens), target=2.0)
+        configs.append(EvalConfig("keyformer 50% + skip 2x", skip=skip, kv=make_kv_policy("keyformer", 0.5, seed=seed),
+                                  policy="keyformer+skip", budget=0.5, target=2.0, spec="keyformer + skip 2x"))
+    labels = [c.label for c in configs]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise InputError(f"these KV configs are asked for twice: {', '.join(twice)}")
     return configs
 
 
@@ -159,53 +285,134 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def accuracy_figure(rows: list[dict]):
-    """Retrieval accuracy against KV budget, one line per policy, averaged over prompt lengths."""
+    """Retrieval accuracy against KV budget: one panel per prompt length, one line per policy, error bars
+    the 95% Wilson intervals; the full model dashed, its interval shaded. Lines are nudged sideways a
+    little so their error bars do not hide each other."""
     import plotly.graph_objects as go
+    from plotly.colors import qualitative
+    from plotly.subplots import make_subplots
 
-    fig = go.Figure()
-    policies = sorted({r["policy"] for r in rows if r["budget"] is not None})
-    full = [r["accuracy"] for r in rows if r["policy"] == "full"]
-    for policy in policies:
-        budgets = sorted({r["budget"] for r in rows if r["policy"] == policy})
-        acc = [sum(r["accuracy"] for r in rows if r["policy"] == policy and r["budget"] == b) /
-               max(1, sum(1 for r in rows if r["policy"] == policy and r["budget"] == b)) for b in budgets]
-        mode = "markers" if len(budgets) == 1 else "lines+markers"
-        fig.add_trace(go.Scatter(x=[b * 100 for b in budgets], y=acc, mode=mode, name=policy))
-    if full:
-        fig.add_hline(y=sum(full) / len(full), line_dash="dash", annotation_text="full model")
-    fig.update_layout(title="Retrieval accuracy vs KV budget (mean over prompt lengths)",
-                      xaxis_title="KV budget (% of prompt)", yaxis_title="exact-match accuracy",
-                      yaxis_range=[-0.05, 1.05], template="plotly_white", width=760, height=440)
+    lengths = list(dict.fromkeys(r["length"] for r in rows))
+    fulls = {r["length"]: r for r in rows if r["policy"] == "full"}
+    fig = make_subplots(rows=1, cols=len(lengths), shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=[f"{n} tokens ({fulls[n]['n']} tasks)" for n in lengths])
+    series = list(dict.fromkeys(r["spec"] for r in rows if r["budget"] is not None))
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    colours = qualitative.Plotly + qualitative.Dark24
+    for col, length in enumerate(lengths, start=1):
+        for i, name in enumerate(series):
+            points = sorted((r for r in rows if r["length"] == length and r["spec"] == name),
+                            key=lambda r: r["budget"])
+            nudge = (i - (len(series) - 1) / 2) * 0.6
+            fig.add_trace(go.Scatter(
+                x=[r["budget"] * 100 + nudge for r in points], y=[r["accuracy"] for r in points],
+                mode="markers" if len(points) == 1 else "lines+markers", name=name, legendgroup=name,
+                showlegend=col == 1, marker_color=colours[i % len(colours)],
+                error_y=dict(type="data", symmetric=False, array=[r["ci_high"] - r["accuracy"] for r in points],
+                             arrayminus=[r["accuracy"] - r["ci_low"] for r in points], thickness=1, width=3),
+                customdata=[[r["label"], r["hits"], r["n"], r["ci_low"], r["ci_high"]] for r in points],
+                hovertemplate="%{customdata[0]}: %{y:.2f} [%{customdata[3]:.2f}, %{customdata[4]:.2f}], "
+                              "%{customdata[1]}/%{customdata[2]}<extra></extra>"), row=1, col=col)
+        full = fulls[length]
+        fig.add_hrect(y0=full["ci_low"], y1=full["ci_high"], fillcolor="grey", opacity=0.12, line_width=0,
+                      row=1, col=col)
+        fig.add_hline(y=full["accuracy"], line_dash="dash", line_color="black", row=1, col=col,
+                      **({"annotation_text": "full model", "annotation_position": "top left"} if col == 1 else {}))
+        fig.update_xaxes(title_text="KV budget (share of prompt)", tickvals=[b * 100 for b in budgets],
+                         ticktext=[f"{b:.0%}" for b in budgets], row=1, col=col)
+    fig.update_yaxes(title_text="retrieval accuracy (95% Wilson CI)", range=[-0.03, 1.03], row=1, col=1)
+    fig.update_layout(title="Retrieval accuracy vs KV budget", template="plotly_white",
+                      width=300 * len(lengths) + 300, height=460)
     return fig
 
 
+CHROMIUM = "/usr/bin/chromium"
+
+
+def png_renderer() -> str | None:
+    """What can write a PNG here: ``kaleido`` (plotly's own exporter) if installed, else Debian's
+    chromium through Playwright, else None."""
+    try:
+        import kaleido  # noqa: F401
+        return "kaleido"
+    except ImportError:
+        return "chromium" if shutil.which("chromium") or Path(CHROMIUM).exists() else None
+
+
+
 def save_figure(fig, path: str) -> None:
-    """HTML as is; PNG through Debian's chromium (no kaleido download)."""
+    """HTML as is (beside a PNG too); PNG through kaleido if installed, else Debian's chromium (no download)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     html = out.with_suffix(".html")
     fig.write_html(html, include_plotlyjs=True)
-    if out.suffix == ".png":
-        from playwright.sync_api import sync_playwright
+    if out.suffix != ".png":
+        return
+    if png_renderer() == "kaleido":
+        fig.write_image(out)
+        return
+    from playwright.sync_api import sync_playwright
 
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
-                                        args=["--headless", "--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 780, "height": 460})
-            page.goto(html.resolve().as_uri())
-            page.wait_for_selector(".main-svg")
-            page.screenshot(path=str(out))
-            browser.close()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium") or CHROMIUM,
+                                    args=["--headless", "--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": fig.layout.width + 20, "height": fig.layout.height + 20})
+        page.goto(html.resolve().as_uri())
+        page.wait_for_selector(".main-svg")
+        page.screenshot(path=str(out))
+        browser.close()
+
+
+def _write_json(path: str, result: dict) -> None:
+    """Replace ``path`` in one step, so a run stopped mid-write leaves the previous partial results."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".tmp")
+    partial.write_text(json.dumps(result, indent=1))
+    partial.replace(out)
+
+
+def _check_before_loading(args) -> None:
+    """Refuse what would fail only after loading a model, or after hours of retrieval."""
+    retrieval_asked = "kv" in args.suite and args.retrieval_lengths and "retrieval" in args.kv_parts
+    if args.figure and not retrieval_asked:
+        raise InputError("--figure draws the KV retrieval accuracy: it needs --suite kv and --retrieval-lengths")
+    if args.figure and Path(args.figure).suffix == ".png" and png_renderer() is None:
+        raise InputError("a PNG figure needs kaleido (pip install kaleido) or Debian's chromium (apt-get install "
+                         "chromium); or give --figure a .html path")
+    if "tuned" in args.suite and not args.adapter:
+        raise InputError("the tuned suite needs --adapter DIR (an adapter written by `python -m skipkey finetune`)")
+    if args.resume and not args.output:
+        raise InputError("--resume continues the results in --output: give --output FILE")
+    if "kv" in args.suite:
+        kv_configs(1, args.kv_policies, args.budgets, args.seed, 1, combined=False)  # policy specs and budgets
+    if retrieval_asked and (args.retrieval_tasks < 1 or min(args.retrieval_lengths) < 64):
+        raise InputError("retrieval needs at least 1 task per length and lengths of at least 64 tokens")
+
+
+def _earlier_retrieval(args, settings: dict, log) -> tuple[list[dict], list[str]]:
+    """(task records, commands) of the run ``--resume`` continues; refused if its settings differ."""
+    path = Path(args.output)
+    if not args.resume or not path.exists():
+        if args.resume:
+            log(f"nothing to resume in {path}: starting afresh")
+        return [], []
+    earlier = json.loads(path.read_text())
+    theirs = earlier.get("kv_retrieval_settings") or {}
+    differ = [k for k in ("model", "dtype", "seed", "retrieval_seed") if theirs.get(k) != settings[k]]
+    if differ:
+        raise InputError(f"{path} holds results with another {', '.join(differ)} "
+                         f"({', '.join(f'{k}={theirs.get(k)}' for k in differ)}); use another --output")
+    records = earlier.get("kv_retrieval_tasks", [])
+    log(f"resuming {path}: {len(records)} tasks done earlier")
+    return records, [*earlier.get("resumed", []), earlier["command"]]
 
 
 def main(args) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    if args.figure and not ("kv" in args.suite and args.retrieval_lengths):
-        raise InputError("--figure draws the KV retrieval accuracy: it needs --suite kv and --retrieval-lengths")
-    if "tuned" in args.suite and not args.adapter:
-        raise InputError("the tuned suite needs --adapter DIR (an adapter written by `python -m skipkey finetune`)")
+    _check_before_loading(args)
     loaded = load(args.model, args.device, args.dtype, device_map=args.device_map, max_memory=args.max_memory,
                   offload_dir=args.offload_dir)
     prompts = (ORDINARY_PROMPTS * 2)[: args.prompts]
@@ -227,20 +434,41 @@ def main(args) -> int:
         print(markdown_table(result["tuned"], ["label", *QUALITY_COLUMNS]))
     if "kv" in args.suite:
         log("# KV policies")
-        configs = kv_configs(loaded.num_layers, args.kv_policies, args.budgets, args.seed, args.max_new_tokens)
-        if args.retrieval_lengths:
-            result["kv_retrieval"] = retrieval(loaded, configs, args.retrieval_lengths, args.retrieval_samples,
-                                               args.seed, log)
-            print(markdown_table(result["kv_retrieval"], ["label", "length", "accuracy", "samples"]))
-        documents = document_prompts(loaded.tokenizer, args.prompts, args.kv_prompt_tokens)
-        result["kv_prompt_tokens"] = args.kv_prompt_tokens
-        result["kv_agreement"] = quality(loaded, configs, documents, args.max_new_tokens, log)
-        print(markdown_table(result["kv_agreement"], ["label", *QUALITY_COLUMNS]))
-        result["kv_long_text"] = long_text_perplexity(loaded, configs, args.ppl_prompt_tokens, args.ppl_tokens, log)
-        print(markdown_table(result["kv_long_text"], ["label", "ppl", "next_token_accuracy"]))
+        if args.retrieval_lengths and "retrieval" in args.kv_parts:
+            configs = kv_configs(loaded.num_layers, args.kv_policies, args.budgets, args.seed,
+                                 max(RETRIEVAL_NEW_TOKENS.values()), not args.no_combined)
+            settings = dict(model=loaded.name, dtype=str(loaded.dtype), seed=args.seed,
+                            retrieval_seed=args.retrieval_seed, lengths=args.retrieval_lengths,
+                            tasks=args.retrieval_tasks, families=list(RETRIEVAL_FAMILIES),
+                            new_tokens=RETRIEVAL_NEW_TOKENS, shared_prompt_pass=True)
+            earlier, commands = _earlier_retrieval(args, settings, log)
+            result.update(kv_retrieval_settings=settings, complete=False, **({"resumed": commands} if commands else {}))
+
+            def save(records):
+                result["kv_retrieval"] = retrieval_rows(records, configs)
+                result["kv_retrieval_tasks"] = records
+                _write_json(args.output, result)
+
+            records = retrieval(loaded, configs, args.retrieval_lengths, args.retrieval_tasks, args.retrieval_seed,
+                                log, done=earlier, save=save if args.output else None)
+            result["kv_retrieval"] = retrieval_rows(records, configs)
+            result["kv_retrieval_tasks"] = records
+            print(retrieval_table(result["kv_retrieval"]))
+        configs = kv_configs(loaded.num_layers, args.kv_policies, args.budgets, args.seed, args.max_new_tokens,
+                             not args.no_combined)
+        if "agreement" in args.kv_parts:
+            documents = document_prompts(loaded.tokenizer, args.prompts, args.kv_prompt_tokens)
+            result["kv_prompt_tokens"] = args.kv_prompt_tokens
+            result["kv_agreement"] = quality(loaded, configs, documents, args.max_new_tokens, log)
+            print(markdown_table(result["kv_agreement"], ["label", *QUALITY_COLUMNS]))
+        if "long-text" in args.kv_parts:
+            result["kv_long_text"] = long_text_perplexity(loaded, configs, args.ppl_prompt_tokens, args.ppl_tokens,
+                                                          log)
+            print(markdown_table(result["kv_long_text"], ["label", "ppl", "next_token_accuracy"]))
+    result["complete"] = True
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=1))
+        _write_json(args.output, result)
     if "kv_retrieval" in result and args.figure:
         save_figure(accuracy_figure(result["kv_retrieval"]), args.figure)
+        log(f"figure: {args.figure}")
     return 0

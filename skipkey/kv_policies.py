@@ -523,6 +523,13 @@ def parse_policy_spec(spec: str) -> tuple[str, dict]:
     return name, options
 
 
+def format_policy_spec(name: str, options: dict) -> str:
+    """The inverse of ``parse_policy_spec``: ``("keyformer", {"observe": 32})`` -> ``"keyformer:observe=32"``."""
+    if not options:
+        return name
+    return f"{name}:" + ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
+
+
 def make_kv_policy(name: str, budget=0.5, recent: float = 0.3, *, seed: int = 0, evict_every: int = 1,
                    **options) -> KVPolicy:
     """Build a policy by name, validating every parameter.

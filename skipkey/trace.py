@@ -40,9 +40,10 @@ class Trace:
 
     @classmethod
     def collect(cls, engine: Engine, prompts, settings=None, *, stop: threading.Event | None = None,
-                record: bool = False, label: str = "") -> "Trace":
+                record: bool = False, label: str = "", prompt_pass=None) -> "Trace":
+        """Run ``engine`` on ``prompts``; ``prompt_pass``: start from that recorded pass (``Engine.prompt_pass``)."""
         trace = cls.for_engine(engine, label)
-        for event in engine.generate(prompts, settings, stop=stop, record=record):
+        for event in engine.generate(prompts, settings, stop=stop, record=record, prompt_pass=prompt_pass):
             trace.add(event)
         trace.stopped = stop is not None and stop.is_set()
         return trace

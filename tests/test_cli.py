@@ -162,3 +162,43 @@ def test_document_prompts_are_distinct_long_and_apart_from_the_perplexity_text()
     assert not any(p[:80] in passage for p in prompts)
     with pytest.raises(InputError, match="at most"):
         document_prompts(tokenizer, 500, 200)
+
+
+def test_kv_eval_retrieval_takes_policy_specs_writes_rows_tasks_figure_and_resumes(capsys, model_dir, tmp_path):
+    out_file, figure = tmp_path / "retrieval.json", tmp_path / "retrieval.html"
+    argv = ["eval", "--model", model_dir, "--device", "cpu", "--dtype", "float32", "--suite", "kv",
+            "--kv-parts", "retrieval", "--retrieval-lengths", "640", "--retrieval-tasks", "3",
+            "--retrieval-seed", "7", "--kv-policies", "h2o", "keyformer:observe=16,pool=3", "--budgets", "0.5",
+            "--no-combined", "--output", str(out_file), "--figure", str(figure)]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    result = json.loads(out_file.read_text())
+    assert result["complete"] and "kv_agreement" not in result and "kv_long_text" not in result
+    assert result["kv_retrieval_settings"]["retrieval_seed"] == 7 and result["machine"]
+    rows = {row["label"]: row for row in result["kv_retrieval"]}
+    assert set(rows) == {"full", "h2o 50%", "keyformer:observe=16,pool=3 50%"}
+    row = rows["keyformer:observe=16,pool=3 50%"]
+    assert row["options"] == {"observe": 16, "pool": 3} and row["policy"] == "keyformer" and row["length"] == 640
+    assert {"families", "hits", "n", "accuracy", "ci_low", "ci_high", "relative_to_full"} <= set(row)
+    assert row["n"] == 3 and set(row["families"]) == {"passkey", "kv", "name"}
+    assert [t["index"] for t in result["kv_retrieval_tasks"]] == [0, 1, 2]
+    assert "| keyformer:observe=16,pool=3 |" in out and "[640 3/3] name" in err
+    assert figure.exists()
+
+    code, _, err = run_cli(capsys, *argv, "--resume")
+    assert code == 0 and "3 tasks done earlier" in err and err.count("(resumed)") == 3
+    assert json.loads(out_file.read_text())["resumed"] == [result["command"]]
+    code, _, err = run_cli(capsys, *[a if a != "7" else "8" for a in argv], "--resume")
+    assert code == 2 and "another retrieval_seed" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-policies", "keyformer:bogus=1"], "has no option 'bogus'"),
+    (["--kv-policies", "nosuch"], "unknown KV policy"),
+    (["--kv-policies", "h2o", "h2o:"], "twice"),
+    (["--resume"], "--resume continues the results in --output"),
+    (["--figure", "f.png", "--kv-parts", "agreement"], "--figure draws the KV retrieval accuracy"),
+])
+def test_kv_eval_refuses_bad_options_before_loading_a_model(capsys, argv, message):
+    code, _, err = run_cli(capsys, "eval", "--model", "no/such-model-anywhere", "--suite", "kv", *argv)
+    assert code == 2 and message in err.strip().splitlines()[-1]

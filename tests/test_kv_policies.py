@@ -290,3 +290,12 @@ def test_a_recorded_prompt_pass_refuses_other_prompts(tiny_models):
     recorded = Engine(lm).prompt_pass([LONG])
     with pytest.raises(InputError, match="other prompts"):
         next(Engine(lm, kv=make_kv_policy("h2o", 0.5)).generate([PROMPTS[0]], prompt_pass=recorded))
+
+
+@pytest.mark.parametrize("spec", ["keyformer", "keyformer:observe=32,pool=7", "h2o:normalize=true",
+                                  "keyformer:tau_init=0.5,observe=8"])
+def test_a_policy_spec_formats_back_to_itself(spec):
+    from skipkey.kv_policies import format_policy_spec, parse_policy_spec
+
+    assert format_policy_spec(*parse_policy_spec(spec)) == spec
+    assert format_policy_spec(*parse_policy_spec("h2o:normalize=1")) == "h2o:normalize=true"

@@ -1,0 +1,97 @@
+"""The retrieval tasks: seeded, balanced over families and depths, the needle and question in place."""
+
+import re
+from collections import Counter
+
+import pytest
+
+from skipkey.errors import InputError
+from skipkey.prompts import RETRIEVAL_FAMILIES, retrieval_tasks, retrieved
+from skipkey.tiny import byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tasks(tokenizer):
+    return retrieval_tasks(tokenizer, 3000, 12, seed=5)
+
+
+def words(text):
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def test_the_same_seed_gives_the_same_tasks_and_another_seed_others(tokenizer, tasks):
+    assert retrieval_tasks(tokenizer, 3000, 12, seed=5) == tasks
+    others = retrieval_tasks(tokenizer, 3000, 12, seed=6)
+    assert not {t.prompt for t in others} & {t.prompt for t in tasks}
+    assert {t.answer for t in others} != {t.answer for t in tasks}
+
+
+@pytest.mark.parametrize("count", [7, 9, 24])
+def test_families_take_turns_so_they_are_balanced(tokenizer, count):
+    families = Counter(t.family for t in retrieval_tasks(tokenizer, 800, count, seed=1))
+    assert len(families) == len(RETRIEVAL_FAMILIES) >= 3
+    assert max(families.values()) - min(families.values()) <= 1
+
+
+def test_each_family_is_asked_at_depths_spread_over_the_prompt(tasks):
+    for family in RETRIEVAL_FAMILIES:
+        depths = [t.depth for t in tasks if t.family == family]
+        assert depths == sorted(depths) and len(set(depths)) == len(depths) == 4
+        assert depths[0] < 0.15 and depths[-1] > 0.85
+        targets = [0.1 + 0.8 * j / 3 for j in range(4)]
+        assert all(abs(d - t) < 0.05 for d, t in zip(depths, targets)), depths
+
+
+def test_the_needle_is_in_the_prompt_the_question_ends_it_and_does_not_give_the_answer(tokenizer, tasks):
+    for task in tasks:
+        assert task.needle in task.prompt and task.prompt.endswith("\n\n" + task.question)
+        assert task.answer in task.needle
+        assert f" {words(task.answer)} " not in f" {words(task.question)} "
+        # The answer is stated once, in the needle: the filler and the distractors never give it.
+        in_needle = f" {words(task.needle)} ".count(f" {words(task.answer)} ")
+        assert in_needle >= 1 and f" {words(task.prompt)} ".count(f" {words(task.answer)} ") == in_needle
+        assert 0.95 * 3000 <= len(tokenizer(task.prompt)["input_ids"]) <= 3000
+        assert task.new_tokens >= 12
+
+
+def test_families_read_as_specified(tasks):
+    by_family = {t.family: t for t in reversed(tasks)}
+    passkey, kv, name = by_family["passkey"], by_family["kv"], by_family["name"]
+    assert re.fullmatch(r"\d{5}", passkey.answer) and passkey.prompt.endswith("The pass key is")
+    assert re.fullmatch(r"\d{4}", kv.answer) and kv.prompt.endswith(f"{kv.needle.split(' is ')[0]} is")
+    assert kv.prompt.count("The code for ") >= 4  # one asked, the rest distractors
+    assert len(name.answer.split()) >= 2 and name.prompt.endswith("is named")
+    assert name.prompt.count(" is named ") >= 3
+
+
+def test_the_filler_is_varied_text_not_one_repeated_sentence(tasks):
+    sentences = re.split(r"(?<=[.!?])\s+", tasks[0].prompt)
+    assert len(set(sentences)) > 0.9 * len(sentences) > 20
+    assert tasks[0].prompt.split("\n\n")[1][:200] != tasks[1].prompt.split("\n\n")[1][:200]
+
+
+def test_a_prompt_too_short_for_filler_is_refused(tokenizer):
+    with pytest.raises(InputError, match="no room for filler"):
+        retrieval_tasks(tokenizer, 200, 3)
+
+
+@pytest.mark.parametrize("text, answer, hit", [
+    (" 58213. Remember it.", "58213", True),
+    ("58213", "58213", True),
+    (" 5821", "58213", False),
+    (" 582130", "58213", False),
+    (" 12345, not 58213", "58213", False),  # a number must be the first one given
+    (" nothing", "58213", False),
+    (" Marguerite Okonkwo-Larsen.", "Marguerite Okonkwo-Larsen", True),
+    ("\n  marguerite  okonkwo larsen, who", "Marguerite Okonkwo-Larsen", True),
+    (" Marguerite Okonkwo.", "Marguerite Okonkwo-Larsen", False),
+    (" Margueritex Okonkwo-Larsen", "Marguerite Okonkwo-Larsen", False),
+    (" named Tobias Thorne", "Tobias Thorne", True),
+])
+def test_retrieved_needs_the_whole_number_first_or_the_whole_name(text, answer, hit):
+    assert retrieved(text, answer) is hit
