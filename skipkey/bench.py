@@ -123,6 +123,11 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
             runs.append(Variant(name, lambda p, s: time_generate(loaded, p, s)))
         else:
             runs.append(Variant(name, lambda p, s, e=engine: time_engine(e, p, s)))
+    # A short run of every variant first, even with warmup=0: the first call in a process pays for thread
+    # pools, allocator growth and lazily built tables, which would otherwise land on whichever variant runs first.
+    short = GenerationSettings(max_new_tokens=2, ignore_eos=True)
+    for variant in runs:
+        variant.run([p[:16] for p in prompt_ids], short)
     for i in range(warmup + repeats):
         for variant in runs:
             gc.collect()
