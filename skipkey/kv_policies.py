@@ -27,7 +27,7 @@ from skipkey.errors import InputError
 SINK_TOKENS = 4  # StreamingLLM's attention sinks
 # The product's recommended query-aware options for h2o and keyformer, chosen on the retrieval benchmark
 # (README, "Query-aware key tokens"); the dataclass defaults stay the paper's.
-RECOMMENDED_OPTIONS = {"observe": 32, "pool": 7}
+RECOMMENDED_OPTIONS = {"observe": 8, "pool": 7}
 _PROTECTED = torch.finfo(torch.float32).max  # the recent window (and sinks): evicted only past the budget
 
 

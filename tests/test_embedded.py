@@ -80,11 +80,16 @@ def test_the_committed_adapter_fits_the_embedded_model_and_lowers_skipping_perpl
     assert tuned_ppl < untuned_ppl / 10, (tuned_ppl, untuned_ppl)
 
 
+FILLER = [
+    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
+    "The river runs past the old mill.", "A cat sleeps on the warm wall.", "The market opens at dawn.",
+    "Clouds drift over the quiet hills.", "The baker lights the oven early.",
+]
+
+
 def secret_code_prompt(tokenizer) -> str:
     """About 1,020 tokens of filler with "The secret code is 58213." at about 40% depth, asked at the end."""
     import random
-
-    from skipkey.prompts import FILLER
 
     rng = random.Random(0)
 

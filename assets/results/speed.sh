@@ -25,7 +25,7 @@ $py --model embedded --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 
 # KV policies at 50% of the prompt (issue 11): every policy, the recommended query-aware Keyformer and Keyformer
 # evicting every 8 steps, against the full model in the same run. A multi-head Llama shape whose attention over the
 # cache is a real share of each step, at batch 1 and 8; the embedded model at batch 1.
-kv="window streaming h2o keyformer tova snapkv keyformer:observe=32,pool=7 keyformer:evict_every=8"
+kv="window streaming h2o keyformer tova snapkv keyformer:observe=8,pool=7 keyformer:evict_every=8"
 $py --model random:llama-mha-350m --prompt-tokens 2048 --max-new-tokens 24 --batch 1 --warmup 0 --repeats 2 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_2k.json
 $py --model random:llama-mha-350m --prompt-tokens 4096 --max-new-tokens 24 --batch 1 --warmup 0 --repeats 1 \
@@ -35,7 +35,7 @@ $py --model random:llama-mha-350m --prompt-tokens 2048 --max-new-tokens 16 --bat
 # At 4k and batch 8 the policies that score every prompt query (h2o, keyformer) spend minutes on the prompt here;
 # this row keeps the ones that do not.
 $py --model random:llama-mha-350m --prompt-tokens 4096 --max-new-tokens 16 --batch 8 --warmup 0 --repeats 1 \
-    --no-generate --compare-kv window streaming tova snapkv keyformer:observe=32,pool=7 --kv-budget 0.5 \
+    --no-generate --compare-kv window streaming tova snapkv keyformer:observe=8,pool=7 --kv-budget 0.5 \
     --output $out/bench_kv_llama350m_4k_b8.json
 $py --model embedded --prompt-tokens 2048 4096 --max-new-tokens 32 --batch 1 --warmup 0 --repeats 2 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_embedded.json
