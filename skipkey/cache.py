@@ -107,13 +107,7 @@ class LayerCache:
     def _write_into_free_slot(self, keys, values, positions):
         """Evicting layers: the next unused slot while there is one, else a slot eviction freed."""
         if self.used < self.capacity:
-            end = self.used + 1
-            self.keys[:, :, self.used:end] = keys
-            self.values[:, :, self.used:end] = values
-            self.positions[:, :, self.used:end] = positions[:, None, :]
-            if self.scores is not None:
-                self.scores[:, :, self.used:end] = 0.0
-            self.used = end
+            self._store_next(keys, values, positions)
         else:
             slot = self.free_slot if self.free_slot is not None else \
                 self.positions.argmin(dim=-1, keepdim=True)  # [B, Hp, 1]: EMPTY (capacity keeps one)
@@ -136,15 +130,19 @@ class LayerCache:
         q = keys.shape[2]
         if self.used + q > self.capacity:
             self._make_room(q)
-        end = self.used + q
+        self._store_next(keys, values, positions)
+        self.held += q
+        self.dense = self.dense and dense
+
+    def _store_next(self, keys, values, positions):
+        """Write ``q`` new tokens into the next unused slots (a slice assignment: no copy of the cache)."""
+        end = self.used + keys.shape[2]
         self.keys[:, :, self.used:end] = keys
         self.values[:, :, self.used:end] = values
         self.positions[:, :, self.used:end] = positions[:, None, :]
         if self.scores is not None:
             self.scores[:, :, self.used:end] = 0.0
         self.used = end
-        self.held += q
-        self.dense = self.dense and dense
 
     def _make_room(self, q: int):
         """Appending layer out of slots: a sliding layer moves its window to the front, others grow."""
@@ -184,7 +182,7 @@ class LayerCache:
             self.scores = torch.zeros(self.positions.shape, device=self.positions.device, dtype=torch.float32)
 
     # -- after a step --------------------------------------------------------------------
-    def trim_to_window(self, next_positions: torch.Tensor, spare: int):
+    def trim_to_window(self, spare: int):
         """Appending layers: keep what the next query can see; settle into storage with ``spare`` free slots.
 
         A sliding layer keeps its last ``window - 1`` slots (rows advance in lock step and

@@ -376,7 +376,7 @@ class _Retention:
         if layer.keys is None:
             return
         if self.kv is None or not layer.scored:
-            layer.trim_to_window(next_positions, self.spare)
+            layer.trim_to_window(self.spare)
             return
         tokens = min(self.most, self.limit(layer))
         every = self.kv.evict_every

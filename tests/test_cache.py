@@ -130,7 +130,7 @@ def test_in_place_eviction_reuses_the_freed_slot_and_keeps_the_window():
 
 def test_a_sliding_layer_appends_in_order_and_moves_its_window_to_the_front():
     layer = _layer(list(range(6)), window=4)
-    layer.trim_to_window(torch.tensor([6]), spare=20)
+    layer.trim_to_window(spare=20)
     assert layer.capacity == 3 + 4 and layer.kept_positions()[0, 0].tolist() == [3, 4, 5]
     for pos in range(6, 30):
         new = torch.full((1, 1, 1, 2), float(pos))
@@ -138,7 +138,7 @@ def test_a_sliding_layer_appends_in_order_and_moves_its_window_to_the_front():
         # What attention reads: the window, in position order, exactly as ``generate`` holds it.
         assert keys[0, 0, :, 0].tolist() == [float(p) for p in range(pos - 3, pos + 1)]
         assert layer.visible_positions()[0, 0].tolist() == list(range(pos - 3, pos + 1))
-        layer.trim_to_window(torch.tensor([pos + 1]), spare=20)
+        layer.trim_to_window(spare=20)
         assert len(layer) == 3
 
 
