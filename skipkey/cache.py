@@ -72,11 +72,6 @@ class LayerCache:
         """Bytes of the tokens this layer keeps (what a budget bounds)."""
         return 0 if self.keys is None else self.held * self._slot_bytes()
 
-    @property
-    def reserved_bytes(self) -> int:
-        """Bytes of the storage itself, free slots included."""
-        return 0 if self.keys is None else self.capacity * self._slot_bytes()
-
     # -- what attention reads ----------------------------------------------------
     def visible(self) -> slice:
         """Slots the current query reads: an appending sliding layer reads only its last ``window``."""
@@ -272,10 +267,6 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
-
-    @property
-    def reserved_bytes(self) -> int:
-        return sum(layer.reserved_bytes for layer in self.layers)
 
     def lengths(self) -> tuple[int, ...]:
         return tuple(len(layer) for layer in self.layers)
