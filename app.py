@@ -248,7 +248,7 @@ class Handlers:
         if loaded is None:
             return figures.message_figure("The preview appears once the model is loaded.", 220)
         try:
-            schedule, steps = preview_schedule(loaded.num_layers, controls)
+            schedule, steps = preview_schedule(loaded.num_layers, controls, self.models.shapes(controls.model))
         except InputError as error:
             return figures.message_figure(str(error), 220)
         return figures.schedule_figure(schedule, loaded.num_layers, steps)
@@ -265,7 +265,7 @@ class Handlers:
             if loaded is None:
                 return
             try:
-                req = build_request(loaded.num_layers, controls)
+                req = build_request(loaded.num_layers, controls, self.models.shapes(model))
             except InputError as error:
                 raise _user_error(str(error)) from None
             tuned_model = None
@@ -321,13 +321,16 @@ class Handlers:
 
 
 def schedule_controls(schedule, set_by):
-    """Show the sliders the chosen schedule and mode use (b_max, b_min, horizon, exponent, target speedup)."""
+    """Show the controls the chosen mode and schedule use: a target speedup alone (the measured-best shape
+    does the rest), or the schedule's kind, warm-up, b_max, b_min, horizon and exponent."""
     by_layers = set_by != "target speedup"
-    return (gr.update(visible=by_layers and schedule != "constant"),
+    return (gr.update(visible=by_layers),
+            gr.update(visible=by_layers and schedule != "constant"),
             gr.update(visible=by_layers,
                       label="layers (constant)" if schedule == "constant" else "min layers (b_min)"),
             gr.update(visible=by_layers and schedule != "constant"),
-            gr.update(visible=schedule == "power"),
+            gr.update(visible=by_layers),
+            gr.update(visible=by_layers and schedule == "power"),
             gr.update(visible=not by_layers))
 
 
@@ -485,7 +488,8 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
               preview_fn, preview_inputs, preview, api_name="schedule_preview", preprocess=False, queue=False,
               show_progress="hidden", trigger_mode="always_last")
         gr.on([c["schedule"].change, c["set_by"].change], schedule_controls, [c["schedule"], c["set_by"]],
-              [c[name] for name in ("b_max", "b_min", "horizon", "exponent", "target_speedup")], queue=False,
+              [c[name] for name in ("schedule", "b_max", "b_min", "horizon", "warmup", "exponent", "target_speedup")],
+              queue=False,
               api_visibility="private")
         step.release(retention_at_step, [last_run, step], retention_plot, api_visibility="private",
                      show_progress="hidden")

@@ -33,10 +33,10 @@ from typing import Callable, Iterator, Mapping, Sequence
 from skipkey.architectures import get_architecture
 from skipkey.config import GenerationSettings, decode_steps
 from skipkey.engine import Engine
-from skipkey.errors import InputError
+from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv_policies import KV_POLICIES, KVPolicy, make_kv_policy, policy_options
 from skipkey.loading import EMBEDDED, LoadedModel
-from skipkey.lora import load_tuned
+from skipkey.lora import adapter_schedule, load_tuned, read_metadata
 from skipkey.metrics import (Compute, Speed, Transfer, agreement, compute, kv_share, memory, rouge_l, speed, traffic,
                              transfer)
 from skipkey.offload import Placement, make_placement
@@ -53,6 +53,7 @@ SET_BY = ("layers", "target speedup")
 KV_CHOICES = tuple(name for name in reversed(KV_POLICIES) if name != "full")
 DEFAULT_PROMPT = "The three primary colours of light are"
 DEFAULT_NEW_TOKENS = 48  # light enough that the embedded model answers within seconds on a small CPU
+DEFAULT_TARGET = 1.5  # SkipDecode's default nominal speedup (README, "SkipDecode: the shape study")
 MAX_NEW_TOKENS_UI = 512
 
 Loader = Callable[[str], LoadedModel]
@@ -131,6 +132,18 @@ class ModelCache:
 
     def has_tuned(self, name) -> bool:
         return isinstance(name, str) and name in self.adapters
+
+    def shapes(self, name) -> dict | None:
+        """The schedule-shape table ``name``'s adapter was trained with (None: no adapter, or none recorded).
+
+        A target speedup uses it whether tuning is on or off, so the two differ in weights only.
+        """
+        if not self.has_tuned(name):
+            return None
+        try:
+            return adapter_schedule(read_metadata(self.adapters[name]))[1]
+        except (InputError, ModelLoadError):
+            return None  # loading the tuned copy will say what is wrong with the adapter
 
     def check_tuned(self, name) -> str:
         name = self.check(name)
@@ -226,22 +239,26 @@ class Controls:
                                   label="temperature (sampling)")
     seed: int = _control(0, "number", "run", 1, label="seed", precision=0, minimum=0)
     skip_on: bool = _control(True, "checkbox", "skip", 0, label="on")
-    layer_policy: str = _control("importance", "radio", "skip", 0, choices=LAYER_POLICIES, label="layers",
-                                 info="top = the paper's; importance = training-free ranking")
-    schedule: str = _control("linear", "radio", "skip", 2, preview=True, choices=SCHEDULE_KINDS, label="schedule")
-    set_by: str = _control("layers", "radio", "skip", 2, preview=True, choices=SET_BY, label="set by")
+    layer_policy: str = _control("top", "radio", "skip", 0, preview=True, choices=LAYER_POLICIES, label="layers",
+                                 info="top = the paper's (what the tuned weights were trained with); "
+                                      "importance = training-free ranking")
+    schedule: str = _control("linear", "radio", "skip", 2, preview=True, choices=SCHEDULE_KINDS, label="schedule",
+                             visible=False)
+    set_by: str = _control("target speedup", "radio", "skip", 2, preview=True, choices=SET_BY, label="set by",
+                           info="target speedup: the schedule shape measured best for it (python -m skipkey "
+                                "shapes); layers: your own shape")
     b_max: int = _control(18, "slider", "skip", 3, preview=True, minimum=2, maximum=64, step=1,
-                          label="max layers (b_max)", elem_id="b_max")
+                          label="max layers (b_max)", elem_id="b_max", visible=False)
     b_min: int = _control(12, "slider", "skip", 3, preview=True, minimum=2, maximum=64, step=1,
-                          label="min layers (b_min)", elem_id="b_min")
+                          label="min layers (b_min)", elem_id="b_min", visible=False)
     horizon: int = _control(DEFAULT_NEW_TOKENS, "slider", "skip", 4, preview=True, minimum=0,
-                            maximum=MAX_NEW_TOKENS_UI, step=1, label="horizon T (steps)")
+                            maximum=MAX_NEW_TOKENS_UI, step=1, label="horizon T (steps)", visible=False)
     warmup: int = _control(1, "slider", "skip", 4, preview=True, minimum=0, maximum=63, step=1,
-                           label="warm-up layers")
+                           label="warm-up layers", visible=False)
     exponent: float = _control(2.0, "slider", "skip", 5, preview=True, minimum=0.25, maximum=4.0, step=0.25,
                                label="power-law exponent", visible=False)
-    target_speedup: float = _control(1.5, "slider", "skip", 5, preview=True, minimum=1.0, maximum=32.0, step=0.05,
-                                     label="target speedup", visible=False)
+    target_speedup: float = _control(DEFAULT_TARGET, "slider", "skip", 5, preview=True, minimum=1.0, maximum=32.0,
+                                     step=0.05, label="target speedup", elem_id="target_speedup")
     kv_on: bool = _control(False, "checkbox", "kv", 0, label="on",
                            info="the budget is a share of the prompt: for long prompts")
     kv_policy: str = _control("keyformer", "radio", "kv", 0, choices=KV_CHOICES, label="policy")
@@ -262,9 +279,10 @@ class Controls:
     kv_normalize: bool = _control(False, "checkbox", "kv", 3, label="normalize",
                                   info="h2o/keyformer: divide each score by how many queries could see the token, "
                                        "so early tokens do not win just by being early")
-    tuned: bool = _control(False, "checkbox", "skip", 1, label="tuned weights", elem_id="tuned", interactive=False,
-                           info="SkipKey's side runs the model with its SkipDecode LoRA adapter "
-                                "(trained with the top policy in place; embedded model only)")
+    tuned: bool = _control(True, "checkbox", "skip", 1, label="tuned weights", elem_id="tuned", interactive=False,
+                           info="SkipKey's side runs the model with its SkipDecode LoRA adapter, trained with the "
+                                "top policy and the measured-best shapes in place (embedded model only); off: the "
+                                "same schedule on the original weights")
 
 
 CONTROLS: Mapping[str, Control] = MappingProxyType({f.name: f.metadata["control"] for f in fields(Controls)})
@@ -333,13 +351,15 @@ def _percent(value):
     return value
 
 
-def build_request(num_layers: int, controls: Controls) -> ComparisonRequest:
+def build_request(num_layers: int, controls: Controls, shapes: dict | None = None) -> ComparisonRequest:
     """The edge: raw control values -> a frozen ``ComparisonRequest``, or an ``InputError``.
 
     Ranges are checked by the library (``GenerationSettings``, ``make_skipdecode``,
     ``make_kv_policy``); here only the app's own choices (on/off, greedy/sample,
     layers/target) and the unit conversions (% -> fraction, 6.0 -> 6).
-    For a constant schedule ``b_min`` is its number of layers.
+    For a constant schedule ``b_min`` is its number of layers. A target speedup takes
+    the measured-best shape: ``shapes`` (the model's adapter's table, so that tuned and
+    untuned weights run the same schedule) or ``schedules.MEASURED_SHAPES``.
     """
     c = controls
     if not isinstance(c.prompt, str):
@@ -354,7 +374,9 @@ def build_request(num_layers: int, controls: Controls) -> ComparisonRequest:
         common = dict(kind=c.schedule, policy=c.layer_policy, warmup=_whole(_number(c.warmup)),
                       exponent=_number(c.exponent))
         if _choice("set SkipDecode by", c.set_by, SET_BY) == "target speedup":
-            skip = make_skipdecode(num_layers, gen_len, target=_number(c.target_speedup), **common)
+            policy = _choice("layers", c.layer_policy, LAYER_POLICIES)
+            skip = make_skipdecode(num_layers, gen_len, target=_number(c.target_speedup), policy=policy,
+                                   shapes=shapes if shapes and policy in shapes else None)
         elif c.schedule == "constant":
             skip = make_skipdecode(num_layers, gen_len, layers=_whole(_number(c.b_min)), **common)
         else:
@@ -376,14 +398,14 @@ def build_request(num_layers: int, controls: Controls) -> ComparisonRequest:
                              tuned=_flag("tuned weights on/off", c.tuned))
 
 
-def preview_schedule(num_layers: int, controls: Controls):
+def preview_schedule(num_layers: int, controls: Controls, shapes: dict | None = None):
     """The schedule the controls describe and its decode steps, through the same edge as a run.
 
     Only the ``preview`` controls count: the rest are set so that nothing else is checked.
     """
     request = build_request(num_layers, dataclasses.replace(
-        controls, prompt="", decoding="greedy", temperature=1.0, seed=0, skip_on=True, layer_policy="top",
-        kv_on=False, tuned=False))
+        controls, prompt="", decoding="greedy", temperature=1.0, seed=0, skip_on=True, kv_on=False,
+        tuned=False), shapes)
     return request.skip.schedule, decode_steps(request.settings.max_new_tokens)
 
 

@@ -64,14 +64,17 @@ def add_method_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("SkipDecode")
     g.add_argument("--skip-target", type=float, default=None,
                    help="target nominal speedup of the layer stack (e.g. 2.0); picks the schedule")
-    g.add_argument("--skip-schedule", choices=SCHEDULE_KINDS, default="linear")
+    g.add_argument("--skip-schedule", choices=SCHEDULE_KINDS, default=None,
+                   help="the schedule's kind (default: with --skip-target, the measured-best shape's; else linear)")
     g.add_argument("--skip-max", type=int, default=None, help="b_max: layers run by the first step")
     g.add_argument("--skip-min", type=int, default=None, help="b_min: the floor")
     g.add_argument("--skip-horizon", type=int, default=None, help="decay horizon T in steps")
     g.add_argument("--skip-layers", type=int, default=None, help="layers per step (constant schedule)")
-    g.add_argument("--skip-warmup", type=int, default=1, help="bottom layers that always run")
-    g.add_argument("--skip-exponent", type=float, default=2.0, help="power-law exponent")
-    g.add_argument("--skip-policy", choices=LAYER_POLICIES, default="top")
+    g.add_argument("--skip-warmup", type=int, default=None,
+                   help="bottom layers that always run (default: the measured-best shape's with --skip-target, else 1)")
+    g.add_argument("--skip-exponent", type=float, default=None, help="power-law exponent (default 2)")
+    g.add_argument("--skip-policy", choices=LAYER_POLICIES, default=None,
+                   help="which layers run (default: the --adapter's, else top, the paper's)")
     g = p.add_argument_group("KV cache (Keyformer and baselines)")
     g.add_argument("--kv-policy", choices=list(KV_POLICIES), default=None)
     g.add_argument("--kv-budget", default="0.5",
@@ -99,10 +102,22 @@ def skip_requested(args) -> bool:
         v is not None for v in (args.skip_max, args.skip_min, args.skip_horizon, args.skip_layers))
 
 
+def adapter_schedule_from(args) -> tuple[str, dict | None]:
+    """(layer policy, shape table): ``--skip-policy`` over the ``--adapter``'s, whose shapes a target uses."""
+    if getattr(args, "adapter", None):
+        from skipkey.lora import adapter_schedule, read_metadata
+
+        policy, shapes = adapter_schedule(read_metadata(args.adapter))
+        if args.skip_policy in (None, policy):
+            return policy, shapes
+    return args.skip_policy or "top", None
+
+
 def skipdecode_from(args, num_layers: int, max_new_tokens: int):
     """The SkipDecode config the options describe."""
-    return make_skipdecode(num_layers, decode_steps(max_new_tokens), target=args.skip_target,
-                           kind=args.skip_schedule, policy=args.skip_policy, b_max=args.skip_max,
+    policy, shapes = adapter_schedule_from(args)
+    return make_skipdecode(num_layers, decode_steps(max_new_tokens), target=args.skip_target, shapes=shapes,
+                           kind=args.skip_schedule, policy=policy, b_max=args.skip_max,
                            b_min=args.skip_min, horizon=args.skip_horizon, warmup=args.skip_warmup,
                            exponent=args.skip_exponent, layers=args.skip_layers)
 
@@ -222,10 +237,11 @@ def cmd_bench(args) -> int:
     if skip is not None or kv is not None:
         label = " + ".join(x for x in (skip and skip.describe(), kv and kv.describe()) if x)
         accelerated.append((label, skip, kv))
+    policy, shapes = adapter_schedule_from(args)
     for target in args.compare_targets:
         skip = make_skipdecode(loaded.num_layers, decode_steps(settings.max_new_tokens), target=target,
-                               kind=args.skip_schedule, policy=args.skip_policy)
-        accelerated.append((f"skip {args.skip_policy} {target}x", skip, None))
+                               kind=args.skip_schedule, policy=policy, shapes=shapes)
+        accelerated.append((f"skip {policy} {target}x", skip, None))
     for spec in args.compare_kv:
         policy = kv_policy_from(args, spec, strict=False)
         accelerated.append((policy.describe(), None, policy))
@@ -259,6 +275,12 @@ def cmd_finetune(args) -> int:
     from skipkey.finetune import main as finetune_main
 
     return finetune_main(args)
+
+
+def cmd_shapes(args) -> int:
+    from skipkey.shapes import main as shapes_main
+
+    return shapes_main(args)
 
 
 def cmd_eval(args) -> int:
@@ -345,6 +367,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_adapter_arg(p, "the SkipDecode LoRA adapter the tuned suite evaluates")
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("shapes", help="the schedule-shape study: which shape of b(t) reads best at each speedup")
+    add_model_args(p)
+    p.set_defaults(dtype="float32")
+    p.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0])
+    p.add_argument("--policies", nargs="+", default=list(LAYER_POLICIES), help="layer policies, untuned")
+    p.add_argument("--tuned-policies", nargs="+", default=["top"],
+                   help="layer policies screened on the --adapter model")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--screen-prompts", type=int, default=16, help="held-out prompts for the screen")
+    p.add_argument("--prompts", type=int, default=48, help="held-out prompts for the confirmation")
+    p.add_argument("--confirm", type=int, default=3, help="best screened shapes confirmed per policy and target")
+    p.add_argument("--output", help="write the results JSON here")
+    add_adapter_arg(p, "also screen the model with this SkipDecode adapter merged")
+    p.set_defaults(func=cmd_shapes)
+
     p = sub.add_parser("finetune", help="train SkipDecode LoRA adapters with the skip policy in place")
     add_model_args(p)
     p.set_defaults(dtype="float32")
@@ -361,7 +398,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", type=float, nargs="+", default=[1.5, 3.0],
                    help="one nominal speedup (fixed schedule) or LOW HIGH (drawn uniformly per batch)")
     p.add_argument("--gen-len", type=int, default=64, help="continuation tokens per training sequence")
-    p.add_argument("--sequences", type=int, default=320, help="training sequences the full model generates")
+    p.add_argument("--sequences", type=int, default=320,
+                   help="training sequences: the full model's continuations of training prompts")
+    p.add_argument("--text-sequences", type=int, default=0,
+                   help="training sequences: windows of offline text (Python's help topics and standard library)")
+    p.add_argument("--text-prompt-len", type=int, default=32, help="tokens of a text window before its continuation")
+    p.add_argument("--full-depth-share", type=float, default=0.0,
+                   help="share of batches at full depth, so the tuned model's every-layer path stays the original's")
+    p.add_argument("--train-dtype", default=None,
+                   help="the student's dtype (default: --dtype); bfloat16 is several times faster on AMX CPUs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--work-dir", default=None, help="checkpoints (default: under the SkipKey cache)")

@@ -28,7 +28,7 @@ from skipkey.config import GenerationSettings, decode_steps
 from skipkey.engine import Engine
 from skipkey.errors import InputError
 from skipkey.kv_policies import format_policy_spec, make_kv_policy, parse_policy_spec
-from skipkey.lora import load_tuned, read_metadata
+from skipkey.lora import adapter_schedule, load_tuned, read_metadata
 from skipkey.metrics import agreement, rouge_l
 from skipkey.models import load
 from skipkey.prompts import (ORDINARY_PROMPTS, RETRIEVAL_FAMILIES, RETRIEVAL_NEW_TOKENS, document_prompts,
@@ -254,19 +254,22 @@ def kv_configs(num_layers: int, policies: list[str], budgets: list[float], seed:
     return configs
 
 
-def skip_configs(num_layers: int, targets: list[float], max_new_tokens: int):
+def skip_configs(num_layers: int, targets: list[float], max_new_tokens: int, shapes: dict | None = None):
+    """The full model, then each layer policy at each target (the measured-best shapes, or ``shapes``)."""
     configs = [EvalConfig("full")]
     for policy in ("top", "importance"):
         for target in targets:
-            skip = make_skipdecode(num_layers, decode_steps(max_new_tokens), target=target, policy=policy)
+            skip = make_skipdecode(num_layers, decode_steps(max_new_tokens), target=target, policy=policy,
+                                   shapes=shapes if shapes and policy in shapes else None)
             configs.append(EvalConfig(f"{policy} {target}x", skip=skip, policy=policy, target=target))
     return configs
 
 
-def tuned_configs(num_layers: int, tuned, targets: list[float], max_new_tokens: int):
-    """``skip_configs`` with each SkipDecode config also run on ``tuned`` (adapters merged), side by side."""
+def tuned_configs(num_layers: int, tuned, targets: list[float], max_new_tokens: int, shapes: dict | None = None):
+    """``skip_configs`` with each SkipDecode config also run on ``tuned`` (adapters merged), side by side, at
+    the same schedules (``shapes``: the adapter's, for the policy it was trained with)."""
     configs = [EvalConfig("full"), EvalConfig("full tuned", model=tuned)]
-    for config in skip_configs(num_layers, targets, max_new_tokens)[1:]:
+    for config in skip_configs(num_layers, targets, max_new_tokens, shapes)[1:]:
         configs += [config, replace(config, label=f"{config.label} tuned", model=tuned)]
     return configs
 
@@ -380,6 +383,9 @@ def _check_before_loading(args) -> None:
     if args.figure and Path(args.figure).suffix == ".png" and png_renderer() is None:
         raise InputError("a PNG figure needs kaleido (pip install kaleido) or Debian's chromium (apt-get install "
                          "chromium); or give --figure a .html path")
+    if ("skip" in args.suite or "tuned" in args.suite) and not 1 <= args.prompts <= len(ORDINARY_PROMPTS):
+        raise InputError(f"--prompts must be from 1 to {len(ORDINARY_PROMPTS)} (the held-out prompts) for the "
+                         f"skip and tuned suites, got {args.prompts}")
     if "tuned" in args.suite and not args.adapter:
         raise InputError("the tuned suite needs --adapter DIR (an adapter written by `python -m skipkey finetune`)")
     if args.resume and not args.output:
@@ -415,7 +421,7 @@ def main(args) -> int:
     _check_before_loading(args)
     loaded = load(args.model, args.device, args.dtype, device_map=args.device_map, max_memory=args.max_memory,
                   offload_dir=args.offload_dir)
-    prompts = (ORDINARY_PROMPTS * 2)[: args.prompts]
+    prompts = ORDINARY_PROMPTS[: args.prompts]
     result = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype),
               "date": time.strftime("%Y-%m-%d"), "machine": machine_description(loaded.device),
               "command": command_line(args.argv), "max_new_tokens": args.max_new_tokens, "prompts": len(prompts)}
@@ -429,7 +435,8 @@ def main(args) -> int:
         tuned = load_tuned(loaded, args.adapter)
         meta = read_metadata(args.adapter)
         result["adapter"] = {"dir": args.adapter, **{k: meta[k] for k in ("schedule", "date", "command")}}
-        configs = tuned_configs(loaded.num_layers, tuned, args.targets, args.max_new_tokens)
+        configs = tuned_configs(loaded.num_layers, tuned, args.targets, args.max_new_tokens,
+                                adapter_schedule(meta)[1])
         result["tuned"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
         print(markdown_table(result["tuned"], ["label", *QUALITY_COLUMNS]))
     if "kv" in args.suite:

@@ -29,6 +29,7 @@ The steps, in order (``train`` runs them):
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -46,10 +47,11 @@ from skipkey.architectures import get_architecture
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps, require_float, require_int
 from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.loading import cache_root, load_model
+from skipkey.loading import cache_root, load_model, resolve_dtype
 from skipkey.lora import ADAPTER_FORMAT, adapter_megabytes, fingerprint, lora_targets, save_adapter
-from skipkey.prompts import TRAINING_PROMPTS_VERSION, training_prompts
+from skipkey.prompts import TRAINING_PROMPTS_VERSION, TRAINING_TEXT_VERSION, training_prompts, training_text
 from skipkey.provenance import command_line
+from skipkey.schedules import MEASURED_SHAPES, shapes_to_json
 from skipkey.skipdecode import make_skipdecode
 from skipkey.teacher_forced import teacher_forced_logits_batch
 
@@ -75,7 +77,11 @@ class FinetuneConfig:
     kl_weight: float = 1.0
     targets: tuple[float, ...] = (1.5, 3.0)  # one value: fixed; two: uniform range, drawn per batch
     gen_len: int = 64  # continuation tokens; the schedule covers their decode steps
-    sequences: int = 320
+    sequences: int = 320  # the full model's continuations of training prompts
+    text_sequences: int = 0  # windows of offline text (help topics, stdlib source), the teacher's log-probs on them
+    text_prompt_len: int = 32  # a text window's tokens before its continuation
+    full_depth_share: float = 0.0  # share of batches run at full depth: keeps the tuned model's every-layer path
+    train_dtype: str | None = None  # the student's dtype (default: --dtype); the teacher data stays in --dtype
     seed: int = 0
     checkpoint_every: int = 10
     device: str | None = None
@@ -91,7 +97,13 @@ class FinetuneConfig:
         require_float("alpha", self.alpha, 0.0, 1e4, lo_open=True)
         require_float("kl_weight", self.kl_weight, 0.0, 100.0)
         require_int("gen_len", self.gen_len, 2, MAX_NEW_TOKENS_CAP)
-        require_int("sequences", self.sequences, self.batch_size, 1_000_000)
+        require_int("sequences", self.sequences, 0, 1_000_000)
+        require_int("text_sequences", self.text_sequences, 0, 1_000_000)
+        if self.sequences + self.text_sequences < self.batch_size:
+            raise InputError(f"sequences + text_sequences must be at least the batch size ({self.batch_size}), "
+                             f"got {self.sequences} + {self.text_sequences}")
+        require_int("text_prompt_len", self.text_prompt_len, 1, 4096)
+        require_float("full_depth_share", self.full_depth_share, 0.0, 1.0)
         require_int("seed", self.seed, 0, 2**31 - 1)
         require_int("checkpoint_every", self.checkpoint_every, 1, 1_000_000)
         targets = tuple(float(require_float("target", t, 1.0, 100.0)) for t in self.targets)
@@ -123,48 +135,77 @@ def _resume_key(cfg: FinetuneConfig) -> dict:
 # -- data -------------------------------------------------------------------------------
 def _data_path(loaded, cfg: FinetuneConfig) -> Path:
     key = json.dumps([loaded.name, fingerprint(loaded.model), cfg.sequences, cfg.gen_len, cfg.seed,
-                      TEACHER_TOP_K, TRAINING_PROMPTS_VERSION], sort_keys=True)
+                      TEACHER_TOP_K, TRAINING_PROMPTS_VERSION, str(loaded.dtype)]
+                     + ([cfg.text_sequences, cfg.text_prompt_len, TRAINING_TEXT_VERSION] if cfg.text_sequences else []),
+                     sort_keys=True)
     return cache_root() / "finetune" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
+def _teacher(arch, part: dict, gen_len: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full model's top-k log-probs (and their ids) at every continuation position of ``part``."""
+    logp, ids = [], []
+    for sub in range(0, len(part["prompt_ids"]), rows):  # a few rows at a time to bound memory
+        batch = make_batch(part, list(range(sub, min(sub + rows, len(part["prompt_ids"])))), gen_len)
+        with torch.inference_mode():
+            logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"],
+                                                 attention_mask=batch["attention_mask"],
+                                                 logits_at=batch["logits_at"])
+            top = torch.log_softmax(logits.float(), dim=-1).topk(TEACHER_TOP_K, dim=-1)
+        n = len(batch["prompt_lens"])
+        logp.append(top.values.view(n, gen_len, -1).cpu())
+        ids.append(top.indices.view(n, gen_len, -1).to(torch.int32).cpu())
+    return torch.cat(logp), torch.cat(ids)
+
+
 def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> dict:
-    """Prompts, the full model's greedy continuations and its top-k log-probs there (cached)."""
+    """Training sequences and the full model's top-k log-probs on them (cached).
+
+    ``cfg.sequences`` are the full model's greedy continuations of training prompts
+    (as the evaluation's references are made); ``cfg.text_sequences`` are windows of
+    offline text (``prompts.training_text``), whose continuation is the text itself.
+    """
     path = _data_path(loaded, cfg)
     if path.is_file():
         log(f"data: cached {path}")
         return torch.load(path)
-    prompts = training_prompts(cfg.sequences, cfg.seed)
     engine = Engine(loaded)
     arch = engine.arch
     settings = GenerationSettings(max_new_tokens=cfg.gen_len, ignore_eos=True)  # as the eval's references
-    prompt_ids, continuations, teacher_logp, teacher_ids = [], [], [], []
+    prompts = training_prompts(cfg.sequences, cfg.seed) if cfg.sequences else []
+    parts, sources = [], []
     started = time.perf_counter()
     for first in range(0, len(prompts), chunk):
         ids = engine.encode(prompts[first:first + chunk], cfg.gen_len)
         steps = [event.tokens for event in engine.generate(ids, settings)]
         part = {"prompt_ids": ids, "continuations": torch.tensor(steps).T}
-        prompt_ids += ids
-        continuations.append(part["continuations"])
-        for sub in range(0, len(ids), 8):  # the teacher pass, 8 rows at a time to bound memory
-            batch = make_batch(part, list(range(sub, min(sub + 8, len(ids)))), cfg.gen_len)
-            with torch.inference_mode():
-                logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"],
-                                                     attention_mask=batch["attention_mask"],
-                                                     logits_at=batch["logits_at"])
-                top = torch.log_softmax(logits, dim=-1).topk(TEACHER_TOP_K, dim=-1)
-            rows = len(batch["prompt_lens"])
-            teacher_logp.append(top.values.view(rows, cfg.gen_len, -1).cpu())
-            teacher_ids.append(top.indices.view(rows, cfg.gen_len, -1).to(torch.int32).cpu())
-        done = len(prompt_ids)
+        part["teacher_logp"], part["teacher_ids"] = _teacher(arch, part, cfg.gen_len)
+        parts.append(part)
+        sources += ["continuation"] * len(ids)
+        done = len(sources)
         rate = (time.perf_counter() - started) / done
-        log(f"data: {done}/{len(prompts)} sequences, {rate:.1f} s each, ETA {rate * (len(prompts) - done) / 60:.1f} min")
-    data = {"prompts": prompts, "prompt_ids": prompt_ids, "continuations": torch.cat(continuations).cpu(),
-            "teacher_logp": torch.cat(teacher_logp), "teacher_ids": torch.cat(teacher_ids),
-            "seconds": time.perf_counter() - started}
+        log(f"data: {done}/{len(prompts)} continuations, {rate:.2f} s each, "
+            f"ETA {rate * (len(prompts) - done) / 60:.1f} min")
+    generation_s = time.perf_counter() - started
+    if cfg.text_sequences:
+        windows = training_text(loaded.tokenizer, cfg.text_sequences, cfg.text_prompt_len, cfg.gen_len, cfg.seed)
+        for first in range(0, len(windows), chunk):
+            rows = windows[first:first + chunk]
+            part = {"prompt_ids": [w[:cfg.text_prompt_len] for w in rows],
+                    "continuations": torch.tensor([w[cfg.text_prompt_len:] for w in rows])}
+            part["teacher_logp"], part["teacher_ids"] = _teacher(arch, part, cfg.gen_len)
+            parts.append(part)
+            sources += ["text"] * len(rows)
+            if (first // chunk) % 8 == 0:
+                log(f"data: {first + len(rows)}/{len(windows)} text windows")
+    data = {"prompts": prompts, "prompt_ids": [p for part in parts for p in part["prompt_ids"]],
+            "continuations": torch.cat([part["continuations"] for part in parts]).cpu(),
+            "teacher_logp": torch.cat([part["teacher_logp"] for part in parts]),
+            "teacher_ids": torch.cat([part["teacher_ids"] for part in parts]),
+            "sources": sources, "generation_seconds": generation_s, "seconds": time.perf_counter() - started}
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)
-    log(f"data: {len(prompts)} sequences in {data['seconds'] / 60:.1f} min, cached in {path}")
+    log(f"data: {len(sources)} sequences in {data['seconds'] / 60:.1f} min, cached in {path}")
     return data
 
 
@@ -213,10 +254,15 @@ def make_batch(data: dict, rows: list[int], gen_len: int) -> dict:
 
 
 # -- schedule, loss, learning rate ----------------------------------------------------------
-def draw_layer_sets(num_layers: int, cfg: FinetuneConfig, step: int) -> tuple[float, list[tuple[int, ...]]]:
-    """This step's target speedup and its ``E(t)`` (the paper's top-layer policy), seeded by step."""
+def draw_layer_sets(num_layers: int, cfg: FinetuneConfig, step: int) -> tuple[float, list[tuple[int, ...]] | None]:
+    """This step's target speedup and its ``E(t)``, seeded by step: the paper's top-layer policy with the
+    measured-best shape for the target; or, on a ``full_depth_share`` of steps, 1.0 and ``None`` (every
+    layer, so the KL term holds the tuned model's full-depth path on the original's)."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
     low, high = cfg.targets[0], cfg.targets[-1]
-    target = low if low == high else random.Random(cfg.seed * 1_000_003 + step).uniform(low, high)
+    target = low if low == high else rng.uniform(low, high)
+    if cfg.full_depth_share and rng.random() < cfg.full_depth_share:
+        return 1.0, None
     skip = make_skipdecode(num_layers, cfg.schedule_steps, target=target)
     return target, skip.plan(num_layers).layer_sets(cfg.schedule_steps)
 
@@ -238,7 +284,7 @@ def skipdecode_loss(arch, batch: dict, layer_sets, kl_weight: float):
     """(loss, LM loss, KL) of the skipping model on the batch's continuations."""
     logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"], layer_sets,
                                          attention_mask=batch["attention_mask"], logits_at=batch["logits_at"])
-    logq = torch.log_softmax(logits, dim=-1)
+    logq = torch.log_softmax(logits.float(), dim=-1)
     lm = F.nll_loss(logq, batch["targets"])
     kl = distill_kl(logq, batch["teacher_logp"], batch["teacher_ids"]) if kl_weight > 0 else lm.new_zeros(())
     return lm + kl_weight * kl, lm, kl
@@ -324,9 +370,13 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
     base_fingerprint, targets = fingerprint(loaded.model), lora_targets(loaded.model)
     data = build_dataset(loaded, cfg, log)
     device = next(loaded.model.parameters()).device
-    peft_model = add_lora(loaded.model, cfg, targets)
+    student = loaded.model
+    train_dtype = resolve_dtype(cfg.train_dtype, loaded.device) if cfg.train_dtype else loaded.dtype
+    if train_dtype != loaded.dtype:  # e.g. bf16 on a CPU with AMX: its matmuls are several times faster
+        student = copy.deepcopy(loaded.model).to(train_dtype)
+    peft_model = add_lora(student, cfg, targets)
     try:
-        arch = get_architecture(loaded.model)
+        arch = get_architecture(student)
         params = trainable(peft_model)
         optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
         history, seconds, start = [], 0.0, 0
@@ -357,16 +407,17 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
                 f"target {target:.2f}x | lr {lr:.1e} | {took:.1f} s | ETA {took * (cfg.steps - step - 1) / 60:.0f} min")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 save_checkpoint(ckpt, step + 1, peft_model, optimizer, history, seconds, cfg)
-        metadata = describe_run(cfg, loaded, base_fingerprint, targets, history, seconds, data)
+        metadata = describe_run(cfg, loaded, base_fingerprint, targets, history, seconds, data, train_dtype)
         save_adapter(peft_model, cfg.out, metadata)
         log(f"adapter written to {cfg.out} ({adapter_megabytes(cfg.out):.1f} MB) after {seconds / 60:.1f} min")
         return metadata
     finally:
-        peft_model.unload()  # give the caller back its model, without adapters
+        if student is loaded.model:
+            peft_model.unload()  # give the caller back its model, without adapters
 
 
 def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: list[str], history: list,
-                 seconds: float, data: dict) -> dict:
+                 seconds: float, data: dict, train_dtype: torch.dtype | None = None) -> dict:
     import peft
     import transformers
 
@@ -380,18 +431,26 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
         "base_fingerprint": base_fingerprint,
         "method": "SkipDecode (Del Corro et al. 2023, arXiv 2307.02628) fine-tuning with LoRA adapters; "
                   "the paper's top-layer policy in the forward pass",
-        "schedule": {"kind": "linear", "policy": "top", "warmup": 1, "targets": list(cfg.targets),
+        "schedule": {"policy": "top", "shapes": shapes_to_json({"top": MEASURED_SHAPES["top"]}),
+                     "rule": "skipkey.schedules.ScheduleShape.schedule: the nearest target's shape",
+                     "targets": list(cfg.targets),
                      "draw": "fixed" if len(cfg.targets) == 1 else "uniform per batch",
+                     "full_depth_share": cfg.full_depth_share,
                      "continuation_tokens": cfg.gen_len, "decode_steps": cfg.schedule_steps},
         "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": 0.0, "target_modules": targets},
-        "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed, "prompts": "skipkey.prompts.training_prompts: "
-                 "topic templates, code openers and Python help-text passages (pydoc_data); none held out",
-                 "continuations": f"the full model's greedy {cfg.gen_len} tokens (the engine, EOS ignored)",
-                 "teacher": f"the full model's top-{TEACHER_TOP_K} log-probs at each continuation position",
-                 "generation_minutes": round(data.get("seconds", 0) / 60, 1)},
+        "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed,
+                 "continuations": {"count": cfg.sequences, "prompts": "skipkey.prompts.training_prompts: topic "
+                                   "templates, code openers and Python help-text passages (pydoc_data); none held out",
+                                   "text": f"the full model's greedy {cfg.gen_len} tokens (the engine, EOS ignored)"},
+                 "text_windows": {"count": cfg.text_sequences, "prompt_tokens": cfg.text_prompt_len,
+                                  "text": "skipkey.prompts.training_text: Python's help topics and standard-library "
+                                          "source, random windows"},
+                 "teacher": f"the full model ({str(loaded.dtype).replace('torch.', '')}): top-{TEACHER_TOP_K} "
+                            "log-probs at each continuation position",
+                 "minutes": round(data.get("seconds", 0) / 60, 1)},
         "training": {"steps": len(history), "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup_steps": cfg.warmup_steps,
                      "min_lr_ratio": cfg.min_lr_ratio, "kl_weight": cfg.kl_weight, "optimizer": "AdamW",
-                     "grad_clip": GRAD_CLIP, "dtype": str(loaded.dtype).replace("torch.", ""),
+                     "grad_clip": GRAD_CLIP, "dtype": str(train_dtype or loaded.dtype).replace("torch.", ""),
                      "device": str(loaded.device), "threads": torch.get_num_threads(),
                      "minutes": round(seconds / 60, 1)},
         "loss": {"first_10": {k: mean(k, history[:10]) for k in ("loss", "lm", "kl")},
@@ -411,7 +470,9 @@ def main(args) -> int:
     cfg = FinetuneConfig(model=args.model, out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, rank=args.rank,
                          alpha=args.alpha, kl_weight=args.kl_weight, targets=tuple(args.targets),
-                         gen_len=args.gen_len, sequences=args.sequences, seed=args.seed,
+                         gen_len=args.gen_len, sequences=args.sequences, text_sequences=args.text_sequences,
+                         text_prompt_len=args.text_prompt_len, full_depth_share=args.full_depth_share,
+                         train_dtype=args.train_dtype, seed=args.seed,
                          checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype)
     if args.resume and args.restart:
         raise InputError("--resume and --restart exclude each other")

@@ -18,6 +18,7 @@ import torch
 from skipkey.architectures import cached_architecture, get_architecture
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.loading import LoadedModel
+from skipkey.schedules import ScheduleShape, shapes_from_json
 
 ADAPTER_FORMAT = "skipkey-skipdecode-lora/1"
 METADATA_FILE = "skipkey_adapter.json"
@@ -76,6 +77,20 @@ def read_metadata(adapter_dir: str | Path) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != ADAPTER_FORMAT:
         raise ModelLoadError(f"{directory / METADATA_FILE} is not in the format {ADAPTER_FORMAT!r}")
     return meta
+
+
+def adapter_schedule(meta: dict) -> tuple[str, dict]:
+    """(layer policy, shape table) the adapter was trained with, for ``make_skipdecode(shapes=...)``.
+
+    Adapters from before shapes were measured name a kind and a warm-up: they were
+    trained with the paper's shape (``b_max = L``, the lowest ``b_min``).
+    """
+    schedule = meta.get("schedule") or {}
+    policy = schedule.get("policy", "top")
+    if "shapes" in schedule:
+        return policy, shapes_from_json(schedule["shapes"])
+    shape = ScheduleShape(schedule.get("kind", "linear"), warmup=schedule.get("warmup", 1), top=1.0, floor=0.0)
+    return policy, {policy: ((1.0, shape),)}
 
 
 def check_compatible(meta: dict, loaded, where: str | Path = "the adapter") -> None:

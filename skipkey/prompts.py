@@ -41,6 +41,30 @@ ORDINARY_PROMPTS = [
     "An email to a colleague about the project deadline:",
     "The French Revolution began in 1789 when",
     "How to change a flat tyre: first,",
+    "Customer: Hi, my order arrived damaged. What can I do?\nAgent:",
+    "Alice: Did you finish the report?\nBob: Almost. I still need\nAlice:",
+    "Interviewer: What made you become a nurse?\nNurse:",
+    "Things to pack for a weekend hiking trip:\n- water bottle\n-",
+    "Top five tips for saving money on groceries:\n1.",
+    "Shopping list:\n* eggs\n* flour\n*",
+    "The planets of the solar system, in order from the Sun, are",
+    "The human skeleton has 206 bones, and the largest of them is",
+    "Mount Everest, the highest mountain on Earth, is located",
+    "The Pacific Ocean is the largest ocean and covers",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "const express = require('express');\nconst app = express();\n\n",
+    "#!/bin/bash\n# Back up the home directory every night\n",
+    "def read_lines(path):\n    with open(path) as f:\n",
+    "Dear Sam,\n\nThank you so much for the birthday present.",
+    "Abstract: We study the effect of sleep on memory consolidation in",
+    "Breaking news: a powerful storm is expected to reach the coast",
+    "In a small town in the mountains, every winter the",
+    "Step 1: Preheat the oven to 180 degrees. Step 2:",
+    "The key difference between a virus and a bacterium is",
+    "Frequently asked questions\n\nQ: How long does shipping take?\nA:",
+    "The meeting is scheduled for Tuesday at 10 a.m. The agenda includes",
+    "A haiku about autumn leaves:\n",
+    "Review: I bought this coffee maker last month and",
 ]
 
 
@@ -333,3 +357,58 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
             prompts.append(prompt)
     assert not held_out & set(prompts)
     return prompts
+
+
+TRAINING_TEXT_VERSION = 1  # bump when training_text changes, so cached training data is rebuilt
+
+
+def _stdlib_sources() -> list[str]:
+    """Python's own standard-library source files (read as text, never imported), sorted."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo", "__pycache__")
+    return sorted(str(p) for p in root.rglob("*.py") if not set(p.relative_to(root).parts) & set(skip))
+
+
+def training_text(tokenizer, count: int, prompt_tokens: int, gen_tokens: int, seed: int = 0) -> list[list[int]]:
+    """``count`` seeded windows of ``prompt_tokens + gen_tokens`` tokens of offline text, for training.
+
+    Alternately Python's help topics (prose, ``pydoc_data``) and the standard
+    library's source (code and docstrings), each window from a random place in a
+    random document. None of it is a held-out prompt (``ORDINARY_PROMPTS``), which
+    are short everyday openings the standard library does not contain.
+    """
+    from pydoc_data.topics import topics
+
+    rng = random.Random(seed)
+    width = prompt_tokens + gen_tokens
+    prose = [topics[k] for k in sorted(topics) if len(topics[k]) >= 8 * width]
+    files = _stdlib_sources()
+    rng.shuffle(files)
+    windows: list[list[int]] = []
+    tokens_of: dict[str, list[int]] = {}
+    attempts = 0
+    while len(windows) < count:
+        attempts += 1
+        if attempts > 20 * count + 100:
+            raise InputError(f"could not cut {count} training windows of {width} tokens from the offline text")
+        if len(windows) % 2 == 0:
+            key = f"topic:{rng.randrange(len(prose))}"
+            text = prose[int(key.split(':')[1])]
+        else:
+            key = files[rng.randrange(min(len(files), 400))]
+            try:
+                with open(key, encoding="utf-8") as f:
+                    text = f.read(40_000)
+            except (OSError, UnicodeDecodeError):
+                continue
+        if key not in tokens_of:
+            tokens_of[key] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokens_of[key]
+        if len(ids) < width:
+            continue
+        start = rng.randrange(len(ids) - width + 1)
+        windows.append(ids[start:start + width])
+    return windows

@@ -19,7 +19,7 @@ import bisect
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -399,62 +399,146 @@ def _check_kind(kind: str) -> None:
         raise InputError(f"schedule kind must be one of {', '.join(SCHEDULE_KINDS)}; got {kind!r}")
 
 
-def schedule_for_target(
-    kind: str, target: float, num_layers: int, gen_len: int, warmup: int = 1, exponent: float = 2.0
-) -> Schedule:
-    """The schedule of ``kind`` whose nominal speedup is closest to ``target``.
+@dataclass(frozen=True)
+class ScheduleShape:
+    """How a schedule reaches a target speedup, whatever the target: the *shape* of ``b(t)``.
 
-    The speedup counts decode steps ``t = 0 .. gen_len - 1``.
+    * ``kind``, ``warmup``, ``exponent``: as the schedules above;
+    * ``top``: ``b_max`` as a share of the model's layers (1 is the paper's ``b_max = L``);
+    * ``floor``: ``b_min`` as a share of the constant depth ``L / target`` (1 is no decay at
+      all; lower starts deeper and ends shallower).
 
-    Prefers the paper's shape, ``b_max = L`` and ``horizon = gen_len``, searching
-    ``b_min``. Whole ``b_min`` values step the speedup coarsely, so the lowest
-    ``b_min`` that falls short of the target also tries a shorter horizon and,
-    past horizon 1, a lower ``b_max``. A constant schedule reaches only ``L / b``
-    for whole ``b``. ``SkipPlan.nominal_speedup`` tells the speedup reached.
+    ``schedule`` then searches ``b_min`` and the horizon for the nominal speedup closest
+    to the target, preferring the ``b_min`` nearest ``floor``. A constant schedule has
+    one depth per target, the closest whole one. ``MEASURED_SHAPES`` holds the shape the
+    shape study (``python -m skipkey shapes``) measured best per target.
     """
-    _check_kind(kind)
-    _require_int("num_layers", num_layers, 1)
-    _require_int("gen_len", gen_len, 1, low_is=" (decode steps)")
-    _check_warmup(warmup, num_layers)
-    lowest = warmup + 1
-    highest = num_layers / lowest
-    in_range = (
-        isinstance(target, numbers.Real) and not isinstance(target, bool)
-        and 1 <= target <= highest * (1 + 1e-9)
-    )
-    if not in_range:
-        raise InputError(
-            f"target speedup must be from 1 to {highest:.2f} for a {num_layers}-layer model "
-            f"with warm-up {warmup} (down to {lowest} of {num_layers} layers a step), "
-            f"got {target!r}"
-        )
 
-    def speedup(schedule: Schedule) -> float:
-        # |E(t)| = b(t) under every policy, so the budgets are enough.
-        return num_layers * gen_len / sum(schedule.budget(t) for t in range(gen_len))
+    kind: str = "linear"
+    warmup: int = 1
+    top: float = 1.0
+    floor: float = 0.0
+    exponent: float = 2.0
 
-    def closest(schedules: Sequence[Schedule]) -> Schedule:
-        return min(schedules, key=lambda schedule: abs(speedup(schedule) - target))
+    def __post_init__(self) -> None:
+        _check_kind(self.kind)
+        _check_warmup(self.warmup, None)
+        for name, value in (("top", self.top), ("floor", self.floor)):
+            if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= value <= 1):
+                raise InputError(f"the shape's {name} must be a share from 0 to 1, got {value!r}")
+        PowerLawSchedule(2, 2, 0, exponent=self.exponent, warmup=0)  # the exponent's own check
 
-    if kind == "constant":
-        return closest([ConstantSchedule(b, warmup=warmup) for b in range(num_layers, lowest - 1, -1)])
+    def schedule(self, target: float, num_layers: int, gen_len: int) -> Schedule:
+        """The schedule of this shape whose nominal speedup over ``gen_len`` steps is closest to ``target``."""
+        _require_int("num_layers", num_layers, 1)
+        _require_int("gen_len", gen_len, 1, low_is=" (decode steps)")
+        _check_warmup(self.warmup, num_layers)
+        lowest = self.warmup + 1
+        highest = num_layers / lowest
+        in_range = (isinstance(target, numbers.Real) and not isinstance(target, bool)
+                    and 1 <= target <= highest * (1 + 1e-9))
+        if not in_range:
+            raise InputError(
+                f"target speedup must be from 1 to {highest:.2f} for a {num_layers}-layer model "
+                f"with warm-up {self.warmup} (down to {lowest} of {num_layers} layers a step), "
+                f"got {target!r}"
+            )
 
-    def decay(b_max: int, b_min: int, horizon: int) -> Schedule:
-        if kind == "linear":
-            return LinearSchedule(b_max, b_min, horizon, warmup=warmup)
-        return PowerLawSchedule(b_max, b_min, horizon, exponent=exponent, warmup=warmup)
+        def speedup(schedule: Schedule) -> float:
+            # |E(t)| = b(t) under every policy, so the budgets are enough.
+            return num_layers * gen_len / sum(schedule.budget(t) for t in range(gen_len))
 
-    paper = [decay(num_layers, b, gen_len) for b in range(num_layers, lowest - 1, -1)]
-    b_min = min(schedule.b_min for schedule in paper if speedup(schedule) <= target)
-    # A shorter horizon only lowers budgets, so the speedup falls as the horizon grows.
-    horizons = range(gen_len + 1)
-    first_short = bisect.bisect_left(
-        horizons, -target, key=lambda h: -speedup(decay(num_layers, b_min, h))
-    )
-    shorter = [decay(num_layers, b_min, h) for h in (first_short, first_short - 1) if h in horizons]
-    # Between horizon 1 (one full-depth step, then b_min) and horizon 0 (b_min throughout).
-    lower_start = [decay(b_max, b_min, 1) for b_max in range(num_layers - 1, b_min, -1)]
-    return closest(paper + shorter + lower_start)
+        if self.kind == "constant":
+            return min((ConstantSchedule(b, warmup=self.warmup) for b in range(num_layers, lowest - 1, -1)),
+                       key=lambda schedule: abs(speedup(schedule) - target))
+        if target <= 1 + 1e-9:  # every layer at every step: within 1% would already skip some
+            return self._decays(num_layers, num_layers, target, gen_len, speedup)[0]
+        depth = num_layers / target  # the constant depth that would hit the target
+        preferred = min(num_layers, max(lowest, math.ceil(depth - 1e-9), _round_half_up(self.top * num_layers)))
+        fallback: list[tuple[float, Schedule]] = []
+        # b_max as the shape says; only where no b_min and horizon come within 1% of the target, the
+        # nearest b_max that does (a floor of a few layers leaves too little room between the two).
+        for b_max in sorted(range(max(lowest, math.ceil(depth - 1e-9)), num_layers + 1),
+                            key=lambda b: (abs(b - preferred), b)):
+            options = self._decays(b_max, lowest, target, gen_len, speedup)
+            error = {id(s): abs(speedup(s) - target) / target for s in options}
+            best = min(error.values())
+            wanted = min(b_max, max(lowest, _round_half_up(self.floor * depth)))
+            close = [s for s in options if error[id(s)] <= best + 0.01]  # within 1% of the best reachable
+            chosen = min(close, key=lambda s: (abs(s.b_min - wanted), error[id(s)], s.horizon))
+            if best <= 0.01:
+                return chosen
+            fallback.append((error[id(chosen)], chosen))
+        return min(fallback, key=lambda pair: pair[0])[1]
+
+    def _decays(self, b_max: int, lowest: int, target: float, gen_len: int, speedup) -> list[Schedule]:
+        """For each ``b_min``, the horizons either side of ``target``."""
+
+        def decay(b_min: int, horizon: int) -> Schedule:
+            if self.kind == "linear":
+                return LinearSchedule(b_max, b_min, horizon, warmup=self.warmup)
+            return PowerLawSchedule(b_max, b_min, horizon, exponent=self.exponent, warmup=self.warmup)
+
+        options = []
+        horizons = range(2 * gen_len + 2)  # a decay may end past the last step: it is then still under way
+        for b_min in range(lowest, b_max + 1):
+            # The speedup falls as the horizon grows (a longer decay only raises budgets).
+            h = bisect.bisect_left(horizons, -target, key=lambda h: -speedup(decay(b_min, h)))
+            options += [decay(b_min, h) for h in (h - 1, h) if h in horizons]
+        return options
+
+    def describe(self) -> str:
+        if self.kind == "constant":
+            return f"constant, warm-up {self.warmup}"
+        kind = "linear" if self.kind == "linear" else f"power {self.exponent:g}"
+        return f"{kind}, warm-up {self.warmup}, b_max {self.top:.0%} of L, b_min {self.floor:.0%} of L/target"
+
+
+PAPER_SHAPE = ScheduleShape("linear", warmup=1, top=1.0, floor=0.0)  # b_max = L, the lowest b_min that reaches
+# The shape study's winners, per layer policy: (target, shape), rows in target order; a target uses the row
+# nearest it (in log speedup). ``tests/test_schedules.py`` checks them against the committed study.
+MEASURED_SHAPES: dict[str, tuple[tuple[float, ScheduleShape], ...]] = {
+    "top": ((2.0, PAPER_SHAPE),),
+    "importance": ((2.0, PAPER_SHAPE),),
+}
+
+
+def measured_best_shape(target: float, policy: str = "top",
+                        table: dict[str, Sequence[tuple[float, ScheduleShape]]] | None = None) -> ScheduleShape:
+    """The measured-best shape for ``target`` under layer ``policy`` (``table``: default ``MEASURED_SHAPES``)."""
+    rows = (table or MEASURED_SHAPES).get(policy)
+    if not rows:
+        raise InputError(f"no measured schedule shapes for the layer policy {policy!r}")
+    if not (isinstance(target, numbers.Real) and not isinstance(target, bool) and target >= 1):
+        raise InputError(f"target speedup must be a number of at least 1, got {target!r}")
+    return min(rows, key=lambda row: (abs(math.log(row[0]) - math.log(target)), row[0]))[1]
+
+
+def shapes_to_json(table: dict[str, Sequence[tuple[float, ScheduleShape]]]) -> dict[str, list]:
+    """A shape table as JSON: ``{policy: [[target, {kind, warmup, top, floor, exponent}], ...]}``."""
+    return {policy: [[target, asdict(shape)] for target, shape in rows] for policy, rows in table.items()}
+
+
+def shapes_from_json(obj: object) -> dict[str, tuple[tuple[float, ScheduleShape], ...]]:
+    """``shapes_to_json``'s inverse, with a clear error for anything else."""
+    try:
+        table = {str(policy): tuple((float(target), ScheduleShape(**shape)) for target, shape in rows)
+                 for policy, rows in obj.items()}
+    except (AttributeError, TypeError, ValueError) as error:
+        raise InputError(f"not a table of schedule shapes: {error}") from error
+    if not table or not all(table.values()):
+        raise InputError("a table of schedule shapes needs at least one (target, shape) per policy")
+    return table
+
+
+def schedule_for_target(target: float, num_layers: int, gen_len: int, shape: ScheduleShape | None = None,
+                        policy: str = "top") -> Schedule:
+    """The schedule closest to ``target`` (nominal speedup over ``gen_len`` decode steps).
+
+    ``shape`` defaults to the measured-best one for ``target`` and the layer ``policy``
+    (``measured_best_shape``); ``SkipPlan.nominal_speedup`` tells the speedup reached.
+    """
+    return (shape or measured_best_shape(target, policy)).schedule(target, num_layers, gen_len)
 
 
 def make_schedule(

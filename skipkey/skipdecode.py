@@ -9,7 +9,7 @@ nest, so no KV is ever recomputed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from skipkey.errors import InputError
@@ -19,6 +19,7 @@ from skipkey.schedules import (
     SkipPlan,
     TopLayers,
     make_schedule,
+    measured_best_shape,
     schedule_for_target,
 )
 
@@ -58,19 +59,32 @@ class SkipDecode:
         return f"SkipDecode {self.schedule.describe()}, {self.policy} layers"
 
 
-def make_skipdecode(num_layers: int, gen_len: int, *, target: float | None = None, kind: str = "linear",
+def make_skipdecode(num_layers: int, gen_len: int, *, target: float | None = None, kind: str | None = None,
                     policy: str = "top", b_max: int | None = None, b_min: int | None = None,
-                    horizon: int | None = None, warmup: int = 1, exponent: float = 2.0,
-                    layers: int | None = None, importance: Sequence[float] | None = None) -> SkipDecode:
+                    horizon: int | None = None, warmup: int | None = None, exponent: float | None = None,
+                    layers: int | None = None, importance: Sequence[float] | None = None,
+                    shapes: dict | None = None) -> SkipDecode:
     """The one edge where the CLI's and the app's SkipDecode options become a validated config.
 
-    Either ``target`` (a nominal speedup over ``gen_len`` steps) or explicit schedule parameters.
+    Either ``target`` (a nominal speedup over ``gen_len`` steps) or explicit schedule
+    parameters. A target takes the measured-best shape for the layer ``policy``
+    (``shapes``: a table like ``MEASURED_SHAPES``, e.g. the one an adapter was trained
+    with); ``kind``, ``warmup`` and ``exponent``, when given, override the shape's.
     """
+    if policy not in LAYER_POLICIES:
+        raise InputError(f"unknown layer policy {policy!r}; choose one of {', '.join(LAYER_POLICIES)}")
     if target is not None:
-        schedule = schedule_for_target(kind, target, num_layers, gen_len, warmup=warmup, exponent=exponent)
+        shape = measured_best_shape(target, policy, shapes)
+        given = {k: v for k, v in (("kind", kind), ("warmup", warmup), ("exponent", exponent)) if v is not None}
+        if given.get("kind", shape.kind) == "constant" or shape.kind != "constant":
+            shape = replace(shape, **given)
+        else:  # a decay asked for where a constant shape won: decay gently from just above the constant depth
+            shape = replace(shape, top=0.0, floor=1.0, **given)
+        schedule = schedule_for_target(target, num_layers, gen_len, shape)
     else:
-        schedule = make_schedule(kind, num_layers, b_max=b_max, b_min=b_min, horizon=horizon, warmup=warmup,
-                                 exponent=exponent, layers=layers)
+        schedule = make_schedule(kind or "linear", num_layers, b_max=b_max, b_min=b_min, horizon=horizon,
+                                 warmup=1 if warmup is None else warmup,
+                                 exponent=2.0 if exponent is None else exponent, layers=layers)
     skip = SkipDecode(schedule, policy, tuple(importance) if importance is not None else None)
     skip.validate(num_layers)
     return skip

@@ -19,14 +19,14 @@ from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv_policies import KeyformerPolicy, StreamingPolicy
-from skipkey.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule
+from skipkey.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule, ScheduleShape, measured_best_shape
 from skipkey.trace import Trace
 
 import app
 
 # The page's defaults, except what the tiny 6-layer model and these tests need.
 CONTROLS = Controls(prompt=PROMPTS[2], max_new_tokens=10, temperature=1.0, layer_policy="top", b_max=6, b_min=2,
-                    horizon=6, target_speedup=2.0, kv_on=True)
+                    horizon=6, target_speedup=2.0, kv_on=True, set_by="layers", tuned=False)
 
 
 class FakeRequest:
@@ -362,23 +362,39 @@ def test_select_model_reports_progress_while_loading(tiny):
 def test_schedule_preview_never_runs_the_model(handlers, monkeypatch):
     list(handlers.select_model("embedded"))
     monkeypatch.setattr(app_logic.Engine, "generate", lambda *a, **k: pytest.fail("the preview ran the model"))
-    def preview(*values):
-        return handlers.schedule_preview(Controls(**dict(zip(app_logic.PREVIEW_CONTROLS, values, strict=True))))
+    def preview(model, schedule, set_by, b_max, b_min, horizon, **more):
+        return handlers.schedule_preview(Controls(model=model, max_new_tokens=20, schedule=schedule, set_by=set_by,
+                                                  b_max=b_max, b_min=b_min, horizon=horizon, **more))
 
-    fig = preview("embedded", 20, "linear", "layers", 6, 3, 10, 1, 2.0, 2.0)
+    fig = preview("embedded", "linear", "layers", 6, 3, 10)
     assert list(fig.data[1].y) == [LinearSchedule(6, 3, 10).budget(t) for t in range(19)]
-    bad = preview("embedded", 20, "linear", "layers", 6, 9, 10, 1, 2.0, 2.0)
+    bad = preview("embedded", "linear", "layers", 6, 9, 10)
     assert "b_min must be" in bad.layout.annotations[0].text
-    target = preview("embedded", 20, "power", "target speedup", None, None, None, 1, 2.0, 2.0)
+    target = preview("embedded", "power", "target speedup", None, None, None, target_speedup=2.0)
     assert "nominal speedup" in target.layout.title.text
-    assert preview("gpt2", 20, "linear", "layers", 6, 3, 10, 1, 2.0, 2.0).layout.annotations
+    # A target takes the measured-best shape: the kind radio (hidden in that mode) does not count.
+    shape = measured_best_shape(2.0, "top").schedule(2.0, 6, 19)
+    assert list(target.data[1].y) == [shape.budget(t) for t in range(19)]
+    assert preview("gpt2", "linear", "layers", 6, 3, 10).layout.annotations
 
 
-def test_schedule_controls_show_what_the_schedule_uses():
-    b_max, b_min, horizon, exponent, target = app.schedule_controls("constant", "layers")
-    assert not b_max["visible"] and b_min["visible"] and not horizon["visible"] and not exponent["visible"]
-    *_, exponent, target = app.schedule_controls("power", "target speedup")
-    assert exponent["visible"] and target["visible"]
+def test_schedule_controls_show_what_the_mode_and_schedule_use():
+    kind, b_max, b_min, horizon, warmup, exponent, target = app.schedule_controls("constant", "layers")
+    assert kind["visible"] and warmup["visible"] and b_min["visible"] and not target["visible"]
+    assert not b_max["visible"] and not horizon["visible"] and not exponent["visible"]
+    assert app.schedule_controls("power", "layers")[5]["visible"]
+    by_target = app.schedule_controls("power", "target speedup")
+    assert by_target[-1]["visible"] and not any(u["visible"] for u in by_target[:-1])
+
+
+def test_the_defaults_run_the_tuned_weights_at_a_target_with_the_adapters_shapes(tiny):
+    defaults = Controls()
+    assert defaults.tuned and defaults.set_by == "target speedup" and defaults.layer_policy == "top"
+    table = {"top": ((2.0, ScheduleShape("constant", 1)),)}
+    on = build_request(6, dataclasses.replace(defaults, target_speedup=2.0), shapes=table)
+    off = build_request(6, dataclasses.replace(defaults, target_speedup=2.0, tuned=False), shapes=table)
+    assert on.tuned and not off.tuned
+    assert on.skip.schedule == off.skip.schedule == ConstantSchedule(3, warmup=1)  # the adapter's shape, both
 
 
 def test_examples_include_a_long_context_retrieval_prompt(tiny):

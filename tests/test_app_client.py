@@ -22,7 +22,8 @@ from gradio_client.exceptions import AppError  # noqa: E402
 
 # Every control, as a client sends them: the page's defaults, except what the tiny 6-layer model needs.
 CONTROLS = dataclasses.asdict(Controls(prompt=PROMPTS[0], max_new_tokens=8, temperature=1.0, layer_policy="top",
-                                       b_max=6, b_min=2, horizon=6, target_speedup=2.0, kv_on=True))
+                                       b_max=6, b_min=2, horizon=6, target_speedup=2.0, kv_on=True,
+                                       set_by="layers", tuned=False))
 
 
 @pytest.fixture(scope="module")

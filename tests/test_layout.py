@@ -20,7 +20,7 @@ LAYERS = (
     "errors", "__init__", "config", "provenance", "prompts", "offload", "loading", "tiny",
     "attention", "cache", "architectures", "schedules", "skipdecode", "kv_policies", "engine",
     "trace", "metrics", "figures", "teacher_forced",
-    "lora", "models", "bench", "evaluate", "finetune", "app_logic", "cli", "__main__",
+    "lora", "models", "bench", "evaluate", "shapes", "finetune", "app_logic", "cli", "__main__",
 )
 SERVING = ("app", "skipkey.app_logic", "skipkey.engine", "skipkey.loading", "skipkey.lora")
 TRAINING_AND_EVALUATION = {"skipkey.finetune", "skipkey.evaluate", "skipkey.cli"}

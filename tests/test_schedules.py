@@ -1,14 +1,17 @@
 """Invariants of SkipDecode schedules and layer policies (skipkey/schedules.py)."""
 
+import json
 import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skipkey.errors import InputError
 from skipkey.schedules import (
+    MEASURED_SHAPES,
+    PAPER_SHAPE,
     SCHEDULE_KINDS,
     ConstantSchedule,
     ImportanceLayers,
@@ -18,9 +21,13 @@ from skipkey.schedules import (
     TopLayers,
     compute_ratio,
     layer_importance,
+    ScheduleShape,
     make_schedule,
+    measured_best_shape,
     nominal_speedup,
     schedule_for_target,
+    shapes_from_json,
+    shapes_to_json,
 )
 
 
@@ -236,37 +243,78 @@ def test_compute_ratio_lies_between_one_and_the_nominal_speedup(case, n_steps, f
 # --- choosing a schedule for a target speedup ---------------------------------
 
 
-@pytest.mark.parametrize("kind", ["linear", "power"])
-@pytest.mark.parametrize("num_layers", [18, 24])
-@pytest.mark.parametrize("gen_len", [64, 128])
-@pytest.mark.parametrize("target", [1.5, 2.0, 3.0, 5.0])
-def test_schedule_for_target_hits_the_target(kind, num_layers, gen_len, target):
-    schedule = schedule_for_target(kind, target, num_layers, gen_len)
-    plan = SkipPlan(schedule, TopLayers(num_layers), num_layers)
-    assert plan.nominal_speedup(gen_len) == pytest.approx(target, rel=0.02)
-    assert schedule.b_max == num_layers  # the paper's shape: full depth first
+@st.composite
+def shapes(draw):
+    kind = draw(st.sampled_from(SCHEDULE_KINDS))
+    return ScheduleShape(kind, warmup=draw(st.integers(0, 3)), top=draw(st.floats(0, 1)),
+                         floor=draw(st.floats(0, 1)), exponent=draw(st.sampled_from([0.5, 1.0, 2.0, 3.0])))
 
 
-@pytest.mark.parametrize("num_layers", [18, 24])
-@pytest.mark.parametrize("target", [1.5, 2.0, 3.0, 5.0])
-def test_constant_schedule_for_target_is_the_closest_whole_budget(num_layers, target):
-    schedule = schedule_for_target("constant", target, num_layers, 64)
-    best = min(abs(num_layers / b - target) for b in range(2, num_layers + 1))
-    assert abs(num_layers / schedule.layers - target) == pytest.approx(best)
+@given(shape=shapes(), num_layers=st.integers(6, 32), gen_len=st.integers(16, 96), share=st.floats(0, 1))
+@settings(max_examples=60, deadline=None)
+def test_a_shape_gives_a_valid_schedule_near_any_reachable_target(shape, num_layers, gen_len, share):
+    highest = num_layers / (shape.warmup + 1)
+    target = 1 + share * (highest - 1)
+    schedule = shape.schedule(target, num_layers, gen_len)
+    schedule.validate(num_layers)
+    assert schedule.warmup == shape.warmup
+    reached = SkipPlan(schedule, TopLayers(num_layers, warmup=shape.warmup), num_layers).nominal_speedup(gen_len)
+    if shape.kind == "constant":  # whole depths only: the closest one
+        best = min(abs(num_layers / b - target) for b in range(shape.warmup + 1, num_layers + 1))
+        assert abs(reached - target) == pytest.approx(best)
+    else:  # 1/gen_len steps of granularity: within 3% even at 16 steps
+        assert reached == pytest.approx(target, rel=0.03)
 
 
-@pytest.mark.parametrize("kind", SCHEDULE_KINDS)
-def test_schedule_for_target_reaches_both_ends(kind):
-    slowest = schedule_for_target(kind, 1.0, 24, 64)
-    assert all(slowest.budget(t) == 24 for t in range(64))
-    fastest = schedule_for_target(kind, 12.0, 24, 64, warmup=1)
-    assert all(fastest.budget(t) == 2 for t in range(64))
+@given(shape=shapes(), num_layers=st.integers(6, 24), low=st.floats(0, 1), high=st.floats(0, 1))
+@settings(max_examples=40, deadline=None)
+def test_a_higher_target_never_runs_more_layers(shape, num_layers, low, high):
+    highest = num_layers / (shape.warmup + 1)
+    a, b = sorted((1 + low * (highest - 1), 1 + high * (highest - 1)))
+    layers = [sum(shape.schedule(t, num_layers, 32).budget(s) for s in range(32)) for t in (a, b)]
+    assert layers[1] <= layers[0] * 1.03  # the same shape: at most the 1% search tolerance either way
+
+
+@given(shape=shapes(), num_layers=st.integers(6, 24))
+@settings(max_examples=20, deadline=None)
+def test_target_one_runs_every_layer(shape, num_layers):
+    schedule = shape.schedule(1.0, num_layers, 32)
+    assert all(schedule.budget(t) == num_layers for t in range(32))
+
+
+def test_the_shape_sets_b_max_and_b_min_where_the_target_allows():
+    paper = PAPER_SHAPE.schedule(2.0, 18, 63)
+    assert paper.b_max == 18 and paper.b_min == 2  # the paper: full depth first, the floor as low as it goes
+    low = ScheduleShape("linear", 1, top=0.6, floor=0.9).schedule(2.0, 18, 63)
+    assert (low.b_max, low.b_min) == (11, 8)
+    assert ScheduleShape("constant", 1).schedule(2.0, 18, 63) == ConstantSchedule(9, warmup=1)
+
+
+@given(target=st.floats(1, 20), rows=st.lists(st.floats(1, 10), min_size=1, max_size=5, unique=True))
+def test_measured_best_shape_is_the_nearest_target_row(target, rows):
+    table = {"top": tuple((t, ScheduleShape(floor=i / 10)) for i, t in enumerate(sorted(rows)))}
+    chosen = measured_best_shape(target, "top", table)
+    nearest = min(abs(math.log(t) - math.log(target)) for t in rows)
+    assert any(shape == chosen and abs(math.log(t) - math.log(target)) == nearest for t, shape in table["top"])
+
+
+def test_shape_tables_round_trip_through_json():
+    assert shapes_from_json(json.loads(json.dumps(shapes_to_json(MEASURED_SHAPES)))) == MEASURED_SHAPES
+    with pytest.raises(InputError, match="not a table of schedule shapes"):
+        shapes_from_json({"top": [[2.0, {"kind": "cosine"}]]})
+
+
+@pytest.mark.parametrize("policy", sorted(MEASURED_SHAPES))
+@pytest.mark.parametrize("target", [1.25, 1.5, 2.0, 3.0])
+def test_schedule_for_target_uses_the_measured_shape(policy, target):
+    shape = measured_best_shape(target, policy)
+    assert schedule_for_target(target, 18, 63, policy=policy) == shape.schedule(target, 18, 63)
 
 
 @pytest.mark.parametrize("target", [0.5, 0.99, 12.5, 100.0, math.nan, math.inf, "2"])
 def test_schedule_for_target_refuses_what_no_schedule_reaches(target):
-    with pytest.raises(InputError, match="from 1 to 12.00"):
-        schedule_for_target("linear", target, 24, 64, warmup=1)
+    with pytest.raises(InputError, match="(from 1 to 12.00|at least 1)"):
+        schedule_for_target(target, 24, 64, shape=ScheduleShape(warmup=1))
 
 
 # --- refusals -----------------------------------------------------------------
@@ -321,8 +369,9 @@ INVALID = [
     (lambda: nominal_speedup([], 8), "at least one generation step"),
     (lambda: compute_ratio([(0, 1)], 2, layer_cost=0.0, fixed_cost=1.0), "layer_cost must be > 0"),
     (lambda: compute_ratio([(0, 1)], 2, layer_cost=1.0, fixed_cost=-1.0), "fixed_cost >= 0"),
-    (lambda: schedule_for_target("exp", 2.0, 24, 64), "one of linear, power, constant"),
-    (lambda: schedule_for_target("linear", 2.0, 24, 0), "gen_len must be an integer >= 1"),
+    (lambda: ScheduleShape("exp"), "one of linear, power, constant"),
+    (lambda: ScheduleShape(top=1.5), "top must be a share from 0 to 1"),
+    (lambda: schedule_for_target(2.0, 24, 0), "gen_len must be an integer >= 1"),
 ]
 
 

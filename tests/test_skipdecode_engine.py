@@ -6,7 +6,7 @@ import torch
 from conftest import PROMPTS
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
-from skipkey.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule, schedule_for_target
+from skipkey.schedules import PAPER_SHAPE, ConstantSchedule, LinearSchedule, PowerLawSchedule, schedule_for_target
 from skipkey.skipdecode import SkipDecode
 from skipkey.teacher_forced import teacher_forced_logits
 from skipkey.trace import Trace
@@ -98,7 +98,7 @@ def test_full_schedule_is_full_mode(tiny_models):
 def test_batch_rows_match_solo_with_skipping(tiny_models, policy):
     lm = tiny_models("gemma3")
     settings = GenerationSettings(max_new_tokens=16)
-    skip = SkipDecode(schedule_for_target("linear", 2.0, 6, 16), policy,
+    skip = SkipDecode(schedule_for_target(2.0, 6, 16, shape=PAPER_SHAPE), policy,
                       importance=(0.5, 0.1, 0.4, 0.2, 0.3, 0.6) if policy == "importance" else None)
     batch = Trace.collect(Engine(lm, skip=skip), PROMPTS, settings)
     for row, prompt in enumerate(PROMPTS):

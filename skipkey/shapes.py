@@ -1,0 +1,190 @@
+"""The shape study: at equal nominal speedup, which schedule shape keeps SkipDecode closest to the full model.
+
+SkipDecode's schedule ``b(t)`` is free in shape: the paper's exit points are
+user-chosen, and a 2x target is reached as well by 18 -> 2 layers over a short
+horizon as by a constant 9. The shape decides the quality, so it is measured:
+
+1. *screen*: every shape of a grid (``shape_grid``: kind, warm-up, ``b_max`` from
+   ``L`` down to about ``0.6 L``, ``b_min`` relative to the constant depth) at each
+   target, under each layer policy, teacher-forced over the full model's
+   continuations of the first held-out prompts: next-token accuracy and perplexity
+   (one cached decode each). Shapes that give the same budgets are run once.
+2. *confirm*: the best few per (model, policy, target) on every held-out prompt with
+   all four measures (``skipkey.evaluate.quality``: next-token accuracy, perplexity,
+   ROUGE-L, first divergence).
+3. ``winners``: per policy and target, the confirmed shape with the best next-token
+   accuracy (then ROUGE-L). ``schedules.MEASURED_SHAPES`` holds them, checked against
+   the committed study by the tests.
+
+The held-out prompts are ``prompts.ORDINARY_PROMPTS``, which training never sees.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+
+from skipkey.config import GenerationSettings, decode_steps
+from skipkey.errors import InputError
+from skipkey.evaluate import EvalConfig, _generate, _write_json, markdown_table, perplexity_and_accuracy, quality
+from skipkey.lora import load_tuned, read_metadata
+from skipkey.models import load
+from skipkey.prompts import ORDINARY_PROMPTS
+from skipkey.provenance import command_line, machine_description
+from skipkey.schedules import PAPER_SHAPE, ScheduleShape
+from skipkey.skipdecode import LAYER_POLICIES, SkipDecode
+
+TOPS = (1.0, 0.85, 0.72, 0.6)  # b_max as a share of L: the paper's L down to about 0.6 L
+FLOORS = (0.0, 0.5, 0.75, 0.9)  # b_min as a share of the constant depth L / target (0: as low as reaches)
+
+
+def shape_grid(policy: str) -> list[ScheduleShape]:
+    """The shapes screened: linear at warm-up 1-3 (warm-up is the top policy's; importance pins its own
+    layers), power at warm-up 1, and constant."""
+    warmups = (1, 2, 3) if policy == "top" else (1,)
+    shapes = [ScheduleShape("linear", w, top, floor) for w in warmups for top in TOPS for floor in FLOORS]
+    shapes += [ScheduleShape("power", 1, top, floor) for top in TOPS for floor in FLOORS]
+    shapes += [ScheduleShape("constant", w, 0.0, 1.0) for w in warmups]
+    return shapes
+
+
+def candidates(num_layers: int, steps: int, target: float, policy: str) -> list[tuple[ScheduleShape, object]]:
+    """(shape, schedule) for each shape of the grid whose schedule is new: same budgets (and, under the
+    top policy, the same warm-up) decode the same, so only the first such shape runs."""
+    seen, out = set(), []
+    for shape in shape_grid(policy):
+        schedule = shape.schedule(target, num_layers, steps)
+        key = (shape.warmup if policy == "top" else 0, tuple(schedule.budget(t) for t in range(steps)))
+        if key not in seen:
+            seen.add(key)
+            out.append((shape, schedule))
+    return out
+
+
+def _row(model: str, policy: str, target: float, shape: ScheduleShape, schedule, num_layers: int,
+         steps: int) -> dict:
+    budgets = [schedule.budget(t) for t in range(steps)]
+    return dict(model=model, policy=policy, target=target, shape=asdict(shape), shape_text=shape.describe(),
+                schedule=schedule.describe(), nominal=round(num_layers * steps / sum(budgets), 3),
+                mean_layers=round(sum(budgets) / steps, 2))
+
+
+def screen(models: dict, policies: dict, targets: list[float], prompts: list[str], max_new_tokens: int,
+           log) -> list[dict]:
+    """Teacher-forced next-token accuracy and perplexity of every candidate shape (stage 1)."""
+    reference = models["untuned"]
+    steps = decode_steps(max_new_tokens)
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, ignore_eos=True)
+    full = _generate(reference, EvalConfig("full"), prompts, settings)
+    refs = [full.tokens(r) for r in range(len(prompts))]
+    rows = []
+    for name, loaded in models.items():
+        for policy in policies[name]:
+            for target in targets:
+                options = candidates(reference.num_layers, steps, target, policy)
+                log(f"## screen: {name} {policy} {target}x, {len(options)} distinct schedules")
+                for shape, schedule in options:
+                    started = time.perf_counter()
+                    config = EvalConfig("screen", skip=SkipDecode(schedule, policy),
+                                        model=None if loaded is reference else loaded)
+                    ppl, accuracy = perplexity_and_accuracy(reference, config, prompts, refs)
+                    rows.append({**_row(name, policy, target, shape, schedule, reference.num_layers, steps),
+                                 "next_token_accuracy": accuracy, "ppl_of_full_continuations": ppl})
+                    log(f"  {schedule.describe()}: accuracy {accuracy:.3f}, PPL {ppl:.2f} "
+                        f"({time.perf_counter() - started:.0f} s)")
+    return rows
+
+
+def shortlist(rows: list[dict], per_group: int) -> list[dict]:
+    """The ``per_group`` best screened rows per (model, policy, target), by next-token accuracy, and the
+    paper's shape (``b_max = L``, the lowest ``b_min``) beside them for comparison."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["policy"], row["target"]), []).append(row)
+    chosen = []
+    for group in groups.values():
+        best = sorted(group, key=lambda r: -r["next_token_accuracy"])[:per_group]
+        paper = [r for r in group if r["shape"] == asdict(PAPER_SHAPE) and r not in best]
+        chosen += best + paper
+    return chosen
+
+
+def confirm(models: dict, rows: list[dict], prompts: list[str], max_new_tokens: int, log) -> list[dict]:
+    """All four quality measures of the shortlisted shapes on every held-out prompt (stage 2)."""
+    reference = models["untuned"]
+    steps = decode_steps(max_new_tokens)
+    configs = []
+    for row in rows:
+        shape = ScheduleShape(**row["shape"])
+        schedule = shape.schedule(row["target"], reference.num_layers, steps)
+        loaded = models[row["model"]]
+        configs.append(EvalConfig(f"{row['model']} {row['policy']} {row['target']}x {shape.describe()}",
+                                  skip=SkipDecode(schedule, row["policy"]), policy=row["policy"],
+                                  target=row["target"], model=None if loaded is reference else loaded))
+    measured = quality(reference, configs, prompts, max_new_tokens, log)
+    return [{**{k: v for k, v in row.items() if k not in ("next_token_accuracy", "ppl_of_full_continuations")},
+             **m, "label": c.label} for row, m, c in zip(rows, measured, configs)]
+
+
+def winners(confirmed: list[dict], model: str = "untuned") -> dict[str, list[tuple[float, ScheduleShape]]]:
+    """Per layer policy, (target, best shape) in target order: the highest next-token accuracy, then ROUGE-L."""
+    best: dict[tuple[str, float], dict] = {}
+    for row in confirmed:
+        if row["model"] != model:
+            continue
+        key = (row["policy"], row["target"])
+        rank = (row["next_token_accuracy"], row["rouge_l"])
+        if key not in best or rank > (best[key]["next_token_accuracy"], best[key]["rouge_l"]):
+            best[key] = row
+    table: dict[str, list[tuple[float, ScheduleShape]]] = {}
+    for (policy, target), row in sorted(best.items()):
+        table.setdefault(policy, []).append((target, ScheduleShape(**row["shape"])))
+    return table
+
+
+COLUMNS = ["model", "policy", "target", "shape_text", "nominal", "mean_layers", "next_token_accuracy",
+           "ppl_of_full_continuations", "rouge_l", "first_divergence_median"]
+
+
+def main(args) -> int:
+    """``python -m skipkey shapes``."""
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    if not 1 <= args.screen_prompts <= args.prompts <= len(ORDINARY_PROMPTS):
+        raise InputError(f"need 1 <= --screen-prompts <= --prompts <= {len(ORDINARY_PROMPTS)} (the held-out "
+                         f"prompts), got {args.screen_prompts} and {args.prompts}")
+    unknown = [p for p in args.policies + args.tuned_policies if p not in LAYER_POLICIES]
+    if unknown:
+        raise InputError(f"unknown layer policies {unknown}; choose from {', '.join(LAYER_POLICIES)}")
+    loaded = load(args.model, args.device, args.dtype)
+    models, policies = {"untuned": loaded}, {"untuned": args.policies}
+    result = {"model": loaded.name, "dtype": str(loaded.dtype), "date": time.strftime("%Y-%m-%d"),
+              "machine": machine_description(loaded.device), "command": command_line(args.argv),
+              "max_new_tokens": args.max_new_tokens, "screen_prompts": args.screen_prompts,
+              "prompts": args.prompts, "targets": args.targets}
+    if args.adapter:
+        models["tuned"], policies["tuned"] = load_tuned(loaded, args.adapter), args.tuned_policies
+        result["adapter"] = {"dir": args.adapter, **{k: read_metadata(args.adapter).get(k)
+                                                     for k in ("schedule", "date", "command")}}
+    for target in args.targets:  # refuse an unreachable target before hours of work
+        ScheduleShape().schedule(target, loaded.num_layers, decode_steps(args.max_new_tokens))
+    prompts = ORDINARY_PROMPTS[: args.prompts]
+    result["screen"] = screen(models, policies, args.targets, prompts[: args.screen_prompts],
+                              args.max_new_tokens, log)
+    if args.output:
+        _write_json(args.output, {**result, "complete": False})
+    log("# confirm")
+    result["confirmed"] = confirm(models, shortlist(result["screen"], args.confirm), prompts,
+                                  args.max_new_tokens, log)
+    result["winners"] = {policy: [[t, asdict(s)] for t, s in rows] for policy, rows in winners(result["confirmed"]).items()}
+    result["complete"] = True
+    if args.output:
+        _write_json(args.output, result)
+    print(markdown_table(result["confirmed"], COLUMNS))
+    for policy, rows in winners(result["confirmed"]).items():
+        for target, shape in rows:
+            print(f"best for {policy} at {target}x: {shape!r}")
+    return 0
