@@ -188,3 +188,54 @@ def main(args) -> int:
         for target, shape in rows:
             print(f"best for {policy} at {target}x: {shape!r}")
     return 0
+
+
+# -- the frontier: quality against measured speed ---------------------------------------------------
+def frontier_rows(quality_rows: list[dict], bench_rows: list[dict]) -> list[dict]:
+    """Each SkipDecode quality row (``eval --suite tuned``) joined to the measured speedup of its schedule.
+
+    Tuned weights are merged, so a tuned config runs exactly as fast as the untuned one at
+    the same policy and target: one ``bench`` row (``skip POLICY TARGETx``) serves both.
+    """
+    speed = {}
+    for row in bench_rows:
+        parts = row["variant"].split()
+        if len(parts) == 3 and parts[0] == "skip" and parts[2].endswith("x"):
+            speed[(parts[1], float(parts[2][:-1]))] = row
+    out = []
+    for row in quality_rows:
+        if row.get("target") is None:
+            continue
+        measured = speed.get((row["policy"], float(row["target"])))
+        if measured is None:
+            raise InputError(f"no bench row for {row['policy']} at {row['target']}x: run bench with "
+                             f"--compare-targets {row['target']} --skip-policy {row['policy']}")
+        out.append({**row, "series": f"{'tuned' if row['label'].endswith('tuned') else 'untuned'} {row['policy']}",
+                    "measured_speedup": measured["speedup_vs_full"], "compute_ratio": measured["compute_ratio"]})
+    return out
+
+
+def frontier_figure(rows: list[dict], title: str = "SkipDecode: quality against measured speedup"):
+    """Next-token accuracy against the full model (y) and measured speedup (x), a line per configuration;
+    the full model at (1, 1). Hover: the target, the compute ratio, perplexity and ROUGE-L."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for series in dict.fromkeys(r["series"] for r in rows):
+        points = sorted((r for r in rows if r["series"] == series), key=lambda r: r["measured_speedup"])
+        fig.add_trace(go.Scatter(
+            x=[r["measured_speedup"] for r in points], y=[r["next_token_accuracy"] for r in points],
+            mode="lines+markers+text", name=series, text=[f"{r['target']:g}x" for r in points],
+            textposition="top center",
+            customdata=[[r["target"], r["compute_ratio"], r["ppl_of_full_continuations"], r["rouge_l"]]
+                        for r in points],
+            hovertemplate=(f"{series}, target %{{customdata[0]}}x: measured %{{x:.2f}}x (compute ratio "
+                           "%{customdata[1]:.2f}), accuracy %{y:.3f}, PPL %{customdata[2]:.1f}, "
+                           "ROUGE-L %{customdata[3]:.2f}<extra></extra>")))
+    fig.add_trace(go.Scatter(x=[1.0], y=[1.0], mode="markers+text", text=["full model"], textposition="bottom right",
+                             marker=dict(color="black", size=10), name="full model"))
+    fig.update_layout(title=title, template="plotly_white", width=760, height=480,
+                      xaxis_title="measured decode speedup vs the full model (this CPU)",
+                      yaxis_title="next-token accuracy vs the full model (held-out, teacher-forced)",
+                      yaxis_range=[0, 1.05])
+    return fig

@@ -1,0 +1,67 @@
+"""The shape study's pure parts, and the committed study behind ``schedules.MEASURED_SHAPES``."""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from skipkey.errors import InputError
+from skipkey.schedules import MEASURED_SHAPES, PAPER_SHAPE, ScheduleShape
+from skipkey.shapes import candidates, frontier_figure, frontier_rows, shape_grid, shortlist, winners
+
+STUDY = Path(__file__).resolve().parents[1] / "assets" / "results" / "shape_study.json"
+
+
+@pytest.mark.parametrize("policy", ["top", "importance"])
+def test_candidates_are_distinct_schedules_near_the_target(policy):
+    options = candidates(18, 63, 2.0, policy)
+    assert len(options) < len(shape_grid(policy))  # shapes that give the same budgets run once
+    keys = [(shape.warmup if policy == "top" else 0, tuple(s.budget(t) for t in range(63))) for shape, s in options]
+    assert len(set(keys)) == len(keys)
+    for _, schedule in options:
+        assert 18 * 63 / sum(schedule.budget(t) for t in range(63)) == pytest.approx(2.0, rel=0.02)
+    assert options[0][0] == PAPER_SHAPE  # the paper's shape is screened first
+
+
+def _row(model, policy, target, shape, accuracy, rouge=0.5):
+    return dict(model=model, policy=policy, target=target, shape=asdict(shape), next_token_accuracy=accuracy,
+                rouge_l=rouge, ppl_of_full_continuations=3.0, label=f"{policy} {target}x")
+
+
+def test_shortlist_keeps_the_best_per_group_and_the_paper_shape():
+    shapes = [ScheduleShape(floor=f) for f in (0.5, 0.75, 0.9)]
+    rows = [_row("untuned", "top", 2.0, s, a) for s, a in zip(shapes, (0.4, 0.6, 0.5))]
+    rows += [_row("untuned", "top", 2.0, PAPER_SHAPE, 0.1), _row("untuned", "top", 3.0, shapes[0], 0.2)]
+    chosen = shortlist(rows, 2)
+    assert [r["next_token_accuracy"] for r in chosen] == [0.6, 0.5, 0.1, 0.2]
+
+
+def test_winners_take_the_best_accuracy_then_rouge_per_policy_and_target():
+    a, b = ScheduleShape(floor=0.5), ScheduleShape(floor=0.9)
+    rows = [_row("untuned", "top", 2.0, a, 0.6, 0.4), _row("untuned", "top", 2.0, b, 0.6, 0.5),
+            _row("untuned", "top", 1.5, a, 0.7), _row("tuned", "top", 1.5, b, 0.9),
+            _row("untuned", "importance", 2.0, a, 0.3)]
+    assert winners(rows) == {"importance": [(2.0, a)], "top": [(1.5, a), (2.0, b)]}
+    assert winners(rows, "tuned") == {"top": [(1.5, b)]}
+
+
+def test_frontier_joins_quality_to_the_measured_speed_of_the_same_schedule():
+    quality = [dict(_row(None, "top", 2.0, PAPER_SHAPE, 0.5), label="top 2.0x"),
+               dict(_row(None, "top", 2.0, PAPER_SHAPE, 0.7), label="top 2.0x tuned"),
+               dict(label="full", policy="full", target=None)]
+    bench = [{"variant": "full", "speedup_vs_full": 1.0, "compute_ratio": 1.0},
+             {"variant": "skip top 2.0x", "speedup_vs_full": 1.4, "compute_ratio": 1.3}]
+    rows = frontier_rows(quality, bench)
+    assert [(r["series"], r["measured_speedup"]) for r in rows] == [("untuned top", 1.4), ("tuned top", 1.4)]
+    assert len(frontier_figure(rows).data) == 3  # two lines and the full model
+    with pytest.raises(InputError, match="no bench row for top at 2.0x"):
+        frontier_rows(quality, bench[:1])
+
+
+@pytest.mark.skipif(not STUDY.is_file(), reason="no committed shape study")
+def test_the_measured_shapes_are_the_committed_studys_winners():
+    study = json.loads(STUDY.read_text())
+    assert study["complete"]
+    measured = {policy: tuple(rows) for policy, rows in winners(study["confirmed"]).items()}
+    assert measured == {policy: tuple(rows) for policy, rows in MEASURED_SHAPES.items()}
