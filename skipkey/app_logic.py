@@ -245,6 +245,7 @@ class Controls:
     schedule: str = _control("linear", "radio", "skip", 2, preview=True, choices=SCHEDULE_KINDS, label="schedule",
                              visible=False)
     set_by: str = _control("target speedup", "radio", "skip", 2, preview=True, choices=SET_BY, label="set by",
+                           elem_id="set_by",
                            info="target speedup: the schedule shape measured best for it (python -m skipkey "
                                 "shapes); layers: your own shape")
     b_max: int = _control(18, "slider", "skip", 3, preview=True, minimum=2, maximum=64, step=1,

@@ -378,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--screen-prompts", type=int, default=16, help="held-out prompts for the screen")
     p.add_argument("--prompts", type=int, default=48, help="held-out prompts for the confirmation")
     p.add_argument("--confirm", type=int, default=3, help="best screened shapes confirmed per policy and target")
+    p.add_argument("--resume", action="store_true", help="continue the screen in --output (configs done there are kept)")
     p.add_argument("--output", help="write the results JSON here")
     add_adapter_arg(p, "also screen the model with this SkipDecode adapter merged")
     p.set_defaults(func=cmd_shapes)

@@ -55,7 +55,7 @@ class EvalConfig:
         return self.spec or self.policy
 
 
-def _generate(loaded, config: EvalConfig, prompts, settings, **kwargs) -> Trace:
+def decode_config(loaded, config: EvalConfig, prompts, settings, **kwargs) -> Trace:
     return Trace.collect(Engine(config.model or loaded, skip=config.skip, kv=config.kv), prompts, settings, **kwargs)
 
 
@@ -78,13 +78,13 @@ def perplexity_and_accuracy(loaded, config: EvalConfig, prompts, continuations) 
 def quality(loaded, configs: list[EvalConfig], prompts: list[str], max_new_tokens: int, log) -> list[dict]:
     """Agreement, ROUGE-L and perplexity of the full model's continuations, per config."""
     settings = GenerationSettings(max_new_tokens=max_new_tokens, ignore_eos=True)
-    full = _generate(loaded, EvalConfig("full"), prompts, settings)
+    full = decode_config(loaded, EvalConfig("full"), prompts, settings)
     refs = [full.tokens(r) for r in range(len(prompts))]
     rows = []
     for config in configs:
         started = time.perf_counter()
         same_as_full = config.skip is None and config.kv is None and config.model is None
-        trace = full if same_as_full else _generate(loaded, config, prompts, settings)
+        trace = full if same_as_full else decode_config(loaded, config, prompts, settings)
         agree = [agreement(refs[r], trace.tokens(r)) for r in range(len(prompts))]
         divergences = [a.first_divergence if a.first_divergence is not None else max_new_tokens for a in agree]
         rouge = [rouge_l(full.text(r), trace.text(r)) for r in range(len(prompts))]
@@ -148,7 +148,7 @@ def retrieval(loaded, configs: list[EvalConfig], lengths: list[int], count: int,
                 for config in todo:
                     config_started = time.perf_counter()
                     shared = recorded if config.model is None else None  # a tuned copy runs its own prompt
-                    text = _generate(loaded, config, [task.prompt], settings, prompt_pass=shared).text()
+                    text = decode_config(loaded, config, [task.prompt], settings, prompt_pass=shared).text()
                     record["outputs"][config.label] = text
                     record["hits"][config.label] = retrieved(text, task.answer)
                     record.setdefault("config_seconds", {})[config.label] = round(
@@ -366,7 +366,7 @@ def save_figure(fig, path: str) -> None:
         browser.close()
 
 
-def _write_json(path: str, result: dict) -> None:
+def write_json(path: str, result: dict) -> None:
     """Replace ``path`` in one step, so a run stopped mid-write leaves the previous partial results."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -454,7 +454,7 @@ def main(args) -> int:
             def save(records):
                 result["kv_retrieval"] = retrieval_rows(records, configs)
                 result["kv_retrieval_tasks"] = records
-                _write_json(args.output, result)
+                write_json(args.output, result)
 
             records = retrieval(loaded, configs, args.retrieval_lengths, args.retrieval_tasks, args.retrieval_seed,
                                 log, done=earlier, save=save if args.output else None)
@@ -474,7 +474,7 @@ def main(args) -> int:
             print(markdown_table(result["kv_long_text"], ["label", "ppl", "next_token_accuracy"]))
     result["complete"] = True
     if args.output:
-        _write_json(args.output, result)
+        write_json(args.output, result)
     if "kv_retrieval" in result and args.figure:
         save_figure(accuracy_figure(result["kv_retrieval"]), args.figure)
         log(f"figure: {args.figure}")

@@ -11,18 +11,24 @@ copy of the weights, so a tuned model decodes exactly as fast as the untuned one
 The steps, in order (``train`` runs them):
 
 1. ``skipkey.prompts.training_prompts``: seeded, varied prompts (topics in
-   templates, code openers, passages of Python's own help text), none of them
-   ``ORDINARY_PROMPTS``, which stay held out for the evaluation.
-2. ``build_dataset``: the full model's greedy continuations of those prompts
-   (the engine, as the evaluation's references are made) and its top-k
-   log-probabilities at every continuation position, for self-distillation.
-   Cached under the SkipKey cache, so a resumed run does not redo it.
+   templates, code openers, passages of Python's own help text), and
+   ``skipkey.prompts.training_text``: windows of Python's help topics and
+   standard-library source. None of it is ``ORDINARY_PROMPTS``, which stay held
+   out for the evaluation.
+2. ``build_dataset``: the full model's greedy continuations of the prompts (the
+   engine, as the evaluation's references are made), the text windows as they
+   are, and the full model's top-k log-probabilities at every continuation
+   position, for self-distillation. Cached under the SkipKey cache, so a resumed
+   run does not redo it.
 3. The loop: per batch a schedule (a target speedup drawn uniformly from a
-   range, or one fixed target); the batched teacher-forced forward with ``E(t)``
-   in place; loss = LM loss on the continuation + ``kl_weight`` x KL(full model ||
-   skipping model); AdamW with warm-up and cosine decay; a checkpoint every few
-   steps. Batches and schedules are functions of (seed, step), so resuming
-   gives the same run as not stopping.
+   range, or one fixed target, with the measured-best shape for it; on a
+   ``full_depth_share`` of batches every layer); the batched teacher-forced
+   forward with ``E(t)`` in place; loss = LM loss on the full model's next tokens
+   + ``kl_weight`` x KL(full model || skipping model); AdamW with warm-up and
+   cosine decay; a checkpoint every few steps. The student may run in another
+   dtype than the teacher data (bf16: several times faster matrix products on
+   CPUs with AMX). Batches and schedules are functions of (seed, step), so
+   resuming gives the same run as not stopping.
 4. ``skipkey.lora.save_adapter``: peft's adapter files plus ``skipkey_adapter.json``
    (base model and its fingerprint, schedule range, data, steps, losses, command).
 """
@@ -230,7 +236,8 @@ def batch_rows(data: dict, step: int, cfg: FinetuneConfig) -> list[int]:
 
 
 def make_batch(data: dict, rows: list[int], gen_len: int) -> dict:
-    """Left-padded ``prompt + continuation[:-1]``, so step ``t`` sits in the same slot in every row.
+    """Left-padded ``prompt + continuation[:-1]``, so step ``t`` sits in the same slot in every row; the
+    targets are the full model's next tokens.
 
     ``logits_at`` marks the ``gen_len`` slots whose logits predict the continuation.
     """
@@ -250,6 +257,10 @@ def make_batch(data: dict, rows: list[int], gen_len: int) -> dict:
     if "teacher_logp" in data:
         batch["teacher_logp"] = data["teacher_logp"][rows].reshape(len(rows) * gen_len, -1)
         batch["teacher_ids"] = data["teacher_ids"][rows].reshape(len(rows) * gen_len, -1).long()
+        # The LM loss aims at the full model's own next token: its greedy continuation where it wrote the
+        # text, its argmax over offline text (not the text's next token, which would pull the full-depth
+        # path away from the original).
+        batch["targets"] = batch["teacher_ids"][:, 0]
     return batch
 
 

@@ -19,7 +19,7 @@ import bisect
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,14 @@ def _check_decay(schedule: LinearSchedule | PowerLawSchedule, num_layers: int | 
 def _check_constant(schedule: ConstantSchedule, num_layers: int | None) -> None:
     _check_warmup(schedule.warmup, num_layers)
     _check_layer_count("layers", schedule.layers, schedule.warmup, num_layers)
+
+
+def _check_exponent(exponent: object) -> None:
+    if not (
+        isinstance(exponent, numbers.Real) and not isinstance(exponent, bool)
+        and math.isfinite(exponent) and exponent > 0
+    ):
+        raise InputError(f"exponent must be a finite number > 0, got {exponent!r}")
 
 
 def _check_step(t: object) -> None:
@@ -126,12 +134,7 @@ class PowerLawSchedule:
 
     def __post_init__(self) -> None:
         _check_decay(self, None)
-        exponent = self.exponent
-        if not (
-            isinstance(exponent, numbers.Real) and not isinstance(exponent, bool)
-            and math.isfinite(exponent) and exponent > 0
-        ):
-            raise InputError(f"exponent must be a finite number > 0, got {exponent!r}")
+        _check_exponent(self.exponent)
 
     def validate(self, num_layers: int) -> None:
         _check_decay(self, num_layers)
@@ -426,7 +429,7 @@ class ScheduleShape:
         for name, value in (("top", self.top), ("floor", self.floor)):
             if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= value <= 1):
                 raise InputError(f"the shape's {name} must be a share from 0 to 1, got {value!r}")
-        PowerLawSchedule(2, 2, 0, exponent=self.exponent, warmup=0)  # the exponent's own check
+        _check_exponent(self.exponent)
 
     def schedule(self, target: float, num_layers: int, gen_len: int) -> Schedule:
         """The schedule of this shape whose nominal speedup over ``gen_len`` steps is closest to ``target``."""
@@ -487,6 +490,13 @@ class ScheduleShape:
             options += [decay(b_min, h) for h in (h - 1, h) if h in horizons]
         return options
 
+    def reaching(self, target: float, num_layers: int) -> ScheduleShape:
+        """This shape with its warm-up lowered, where needed, so ``target`` stays reachable (a warm-up of
+        ``w`` runs at least ``w + 1`` layers a step: at most ``L / (w + 1)``)."""
+        if not (isinstance(target, numbers.Real) and target > 1) or num_layers / (self.warmup + 1) >= target:
+            return self
+        return replace(self, warmup=max(0, min(self.warmup, math.floor(num_layers / target + 1e-9) - 1)))
+
     def describe(self) -> str:
         if self.kind == "constant":
             return f"constant, warm-up {self.warmup}"
@@ -498,7 +508,7 @@ PAPER_SHAPE = ScheduleShape("linear", warmup=1, top=1.0, floor=0.0)  # b_max = L
 # The shape study's winners, per layer policy: (target, shape), rows in target order; a target uses the row
 # nearest it (in log speedup). ``tests/test_schedules.py`` checks them against the committed study.
 MEASURED_SHAPES: dict[str, tuple[tuple[float, ScheduleShape], ...]] = {
-    "top": ((2.0, PAPER_SHAPE),),
+    "top": ((1.5, ScheduleShape("linear", warmup=2, top=1.0, floor=0.5)),),
     "importance": ((2.0, PAPER_SHAPE),),
 }
 
@@ -536,9 +546,12 @@ def schedule_for_target(target: float, num_layers: int, gen_len: int, shape: Sch
     """The schedule closest to ``target`` (nominal speedup over ``gen_len`` decode steps).
 
     ``shape`` defaults to the measured-best one for ``target`` and the layer ``policy``
-    (``measured_best_shape``); ``SkipPlan.nominal_speedup`` tells the speedup reached.
+    (``measured_best_shape``, its warm-up lowered if the target needs it);
+    ``SkipPlan.nominal_speedup`` tells the speedup reached.
     """
-    return (shape or measured_best_shape(target, policy)).schedule(target, num_layers, gen_len)
+    if shape is None:
+        shape = measured_best_shape(target, policy).reaching(target, num_layers)
+    return shape.schedule(target, num_layers, gen_len)
 
 
 def make_schedule(

@@ -21,13 +21,16 @@ The held-out prompts are ``prompts.ORDINARY_PROMPTS``, which training never sees
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from skipkey.config import GenerationSettings, decode_steps
 from skipkey.errors import InputError
-from skipkey.evaluate import EvalConfig, _generate, _write_json, markdown_table, perplexity_and_accuracy, quality
+from skipkey.evaluate import (EvalConfig, decode_config, markdown_table, perplexity_and_accuracy, quality,
+                              write_json)
 from skipkey.lora import load_tuned, read_metadata
 from skipkey.models import load
 from skipkey.prompts import ORDINARY_PROMPTS
@@ -40,11 +43,13 @@ FLOORS = (0.0, 0.5, 0.75, 0.9)  # b_min as a share of the constant depth L / tar
 
 
 def shape_grid(policy: str) -> list[ScheduleShape]:
-    """The shapes screened: linear at warm-up 1-3 (warm-up is the top policy's; importance pins its own
-    layers), power at warm-up 1, and constant."""
+    """The shapes screened: linear at every ``b_max`` and ``b_min`` share; warm-up 2 and 3 (the top policy's
+    alone: importance pins its own layers) and power (exponent 2) at the paper's ``b_max`` and 0.72 L;
+    constant at each warm-up."""
     warmups = (1, 2, 3) if policy == "top" else (1,)
-    shapes = [ScheduleShape("linear", w, top, floor) for w in warmups for top in TOPS for floor in FLOORS]
-    shapes += [ScheduleShape("power", 1, top, floor) for top in TOPS for floor in FLOORS]
+    shapes = [ScheduleShape("linear", 1, top, floor) for top in TOPS for floor in FLOORS]
+    shapes += [ScheduleShape("linear", w, top, floor) for w in warmups[1:] for top in TOPS[::2] for floor in FLOORS]
+    shapes += [ScheduleShape("power", 1, top, floor) for top in TOPS[::2] for floor in FLOORS]
     shapes += [ScheduleShape("constant", w, 0.0, 1.0) for w in warmups]
     return shapes
 
@@ -70,13 +75,22 @@ def _row(model: str, policy: str, target: float, shape: ScheduleShape, schedule,
                 mean_layers=round(sum(budgets) / steps, 2))
 
 
+def _key(row: dict) -> tuple:
+    return row["model"], row["policy"], row["target"], row["schedule"]
+
+
 def screen(models: dict, policies: dict, targets: list[float], prompts: list[str], max_new_tokens: int,
-           log) -> list[dict]:
-    """Teacher-forced next-token accuracy and perplexity of every candidate shape (stage 1)."""
+           log, done: list[dict] = (), save=None) -> list[dict]:
+    """Teacher-forced next-token accuracy and perplexity of every candidate shape (stage 1).
+
+    ``done``: rows of an earlier run with the same settings (``--resume``), not run again;
+    ``save(rows)`` after every config, so a stopped run keeps what it measured.
+    """
+    earlier = {_key(row): row for row in done}
     reference = models["untuned"]
     steps = decode_steps(max_new_tokens)
     settings = GenerationSettings(max_new_tokens=max_new_tokens, ignore_eos=True)
-    full = _generate(reference, EvalConfig("full"), prompts, settings)
+    full = decode_config(reference, EvalConfig("full"), prompts, settings)
     refs = [full.tokens(r) for r in range(len(prompts))]
     rows = []
     for name, loaded in models.items():
@@ -85,14 +99,19 @@ def screen(models: dict, policies: dict, targets: list[float], prompts: list[str
                 options = candidates(reference.num_layers, steps, target, policy)
                 log(f"## screen: {name} {policy} {target}x, {len(options)} distinct schedules")
                 for shape, schedule in options:
+                    row = _row(name, policy, target, shape, schedule, reference.num_layers, steps)
+                    if _key(row) in earlier:
+                        rows.append(earlier[_key(row)])
+                        continue
                     started = time.perf_counter()
                     config = EvalConfig("screen", skip=SkipDecode(schedule, policy),
                                         model=None if loaded is reference else loaded)
                     ppl, accuracy = perplexity_and_accuracy(reference, config, prompts, refs)
-                    rows.append({**_row(name, policy, target, shape, schedule, reference.num_layers, steps),
-                                 "next_token_accuracy": accuracy, "ppl_of_full_continuations": ppl})
+                    rows.append({**row, "next_token_accuracy": accuracy, "ppl_of_full_continuations": ppl})
                     log(f"  {schedule.describe()}: accuracy {accuracy:.3f}, PPL {ppl:.2f} "
                         f"({time.perf_counter() - started:.0f} s)")
+                    if save is not None:
+                        save(rows)
     return rows
 
 
@@ -147,6 +166,25 @@ COLUMNS = ["model", "policy", "target", "shape_text", "nominal", "mean_layers", 
            "ppl_of_full_continuations", "rouge_l", "first_divergence_median"]
 
 
+def _earlier_screen(args, result: dict, log) -> list[dict]:
+    """The screen rows ``--resume`` continues (refused if they were made with other settings)."""
+    if not args.resume:
+        return []
+    if not args.output:
+        raise InputError("--resume continues the screen in --output: give --output FILE")
+    path = Path(args.output)
+    if not path.exists():
+        log(f"nothing to resume in {path}: starting afresh")
+        return []
+    earlier = json.loads(path.read_text())
+    differ = [k for k in ("model", "dtype", "max_new_tokens", "screen_prompts") if earlier.get(k) != result[k]]
+    if differ:
+        raise InputError(f"{path} was made with another {', '.join(differ)}; use another --output")
+    result["resumed"] = [*earlier.get("resumed", []), earlier["command"]]
+    log(f"resuming {path}: {len(earlier.get('screen', []))} screened configs done earlier")
+    return earlier.get("screen", [])
+
+
 def main(args) -> int:
     """``python -m skipkey shapes``."""
 
@@ -172,17 +210,20 @@ def main(args) -> int:
     for target in args.targets:  # refuse an unreachable target before hours of work
         ScheduleShape().schedule(target, loaded.num_layers, decode_steps(args.max_new_tokens))
     prompts = ORDINARY_PROMPTS[: args.prompts]
+    done = _earlier_screen(args, result, log)
+
+    def save(rows):
+        write_json(args.output, {**result, "screen": rows, "complete": False})
+
     result["screen"] = screen(models, policies, args.targets, prompts[: args.screen_prompts],
-                              args.max_new_tokens, log)
-    if args.output:
-        _write_json(args.output, {**result, "complete": False})
+                              args.max_new_tokens, log, done=done, save=save if args.output else None)
     log("# confirm")
     result["confirmed"] = confirm(models, shortlist(result["screen"], args.confirm), prompts,
                                   args.max_new_tokens, log)
     result["winners"] = {policy: [[t, asdict(s)] for t, s in rows] for policy, rows in winners(result["confirmed"]).items()}
     result["complete"] = True
     if args.output:
-        _write_json(args.output, result)
+        write_json(args.output, result)
     print(markdown_table(result["confirmed"], COLUMNS))
     for policy, rows in winners(result["confirmed"]).items():
         for target, shape in rows:

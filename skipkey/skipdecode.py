@@ -80,6 +80,8 @@ def make_skipdecode(num_layers: int, gen_len: int, *, target: float | None = Non
             shape = replace(shape, **given)
         else:  # a decay asked for where a constant shape won: decay gently from just above the constant depth
             shape = replace(shape, top=0.0, floor=1.0, **given)
+        if warmup is None:
+            shape = shape.reaching(target, num_layers)
         schedule = schedule_for_target(target, num_layers, gen_len, shape)
     else:
         schedule = make_schedule(kind or "linear", num_layers, b_max=b_max, b_min=b_min, horizon=horizon,

@@ -36,7 +36,7 @@ def trained(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SKIPKEY_CACHE", str(root / "cache"))
         lm = tiny_model("gemma3")
-        cfg = FinetuneConfig(model=lm.name, out=str(root / "lora"), **{**TINY, "steps": 12})
+        cfg = FinetuneConfig(model=lm.name, out=str(root / "lora"), **{**TINY, "steps": 20})
         train(cfg, lm, work_dir=root / "work", log=quiet)
         data = build_dataset(lm, cfg, log=quiet)  # the cached copy the run trained on
     return lm, cfg, data
@@ -77,7 +77,7 @@ def test_adapter_files_are_small_and_say_how_they_were_made(trained):
     _, cfg, _ = trained
     meta = json.loads((Path(cfg.out) / METADATA_FILE).read_text())
     assert meta["base_model"] == "tiny-gemma3" and meta["schedule"]["targets"] == [1.5, 2.5]
-    assert meta["training"]["steps"] == 12 and meta["command"].startswith("python -m skipkey finetune")
+    assert meta["training"]["steps"] == 20 and meta["command"].startswith("python -m skipkey finetune")
     assert meta["loss"]["curve"] and meta["base_fingerprint"]["num_layers"] == 6
 
 
@@ -149,8 +149,8 @@ def test_bad_settings_are_refused(kwargs, message):
 
 
 def test_a_target_the_model_cannot_reach_is_refused_before_any_work(cache):
-    cfg = FinetuneConfig(model="tiny-gemma3", out=str(cache / "x"), **{**TINY, "targets": (5.0,)})
-    with pytest.raises(InputError, match="target speedup must be from 1 to 3.00"):
+    cfg = FinetuneConfig(model="tiny-gemma3", out=str(cache / "x"), **{**TINY, "targets": (7.0,)})
+    with pytest.raises(InputError, match="target speedup must be from 1 to 6.00"):
         train(cfg, tiny_model("gemma3"), work_dir=cache / "w", log=quiet)
     assert not (cache / "cache").exists()  # no data was generated
 
@@ -189,3 +189,23 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys):
     assert code == 2 and "does not exist" in capsys.readouterr().err
     assert cli_main(["finetune", "--model", str(model_dir), "--targets", "3", "1.5"]) == 2
     assert "low then high" in capsys.readouterr().err
+
+
+def test_the_committed_adapter_round_trips_its_shapes_and_policy_and_the_cli_uses_them():
+    from skipkey.cli import build_parser, skipdecode_from
+    from skipkey.lora import adapter_schedule, read_metadata
+    from skipkey.schedules import measured_best_shape, shapes_to_json
+
+    adapter = str(Path(__file__).resolve().parents[1] / "assets" / "skipdecode-lora")
+    meta = read_metadata(adapter)
+    policy, shapes = adapter_schedule(meta)
+    assert policy == meta["schedule"]["policy"] and policy in shapes
+    assert shapes_to_json(shapes) == meta["schedule"]["shapes"]
+    for target in (1.5, 2.0, 3.0):
+        args = build_parser().parse_args(["generate", "--adapter", adapter, "--skip-target", str(target)])
+        skip = skipdecode_from(args, 18, 64)
+        assert skip.policy == policy
+        assert skip.schedule == measured_best_shape(target, policy, shapes).schedule(target, 18, 63)
+        override = build_parser().parse_args(["generate", "--adapter", adapter, "--skip-target", str(target),
+                                              "--skip-schedule", "constant"])
+        assert skipdecode_from(override, 18, 64).schedule.b_min == skipdecode_from(override, 18, 64).schedule.b_max

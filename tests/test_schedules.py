@@ -311,6 +311,16 @@ def test_schedule_for_target_uses_the_measured_shape(policy, target):
     assert schedule_for_target(target, 18, 63, policy=policy) == shape.schedule(target, 18, 63)
 
 
+@given(warmup=st.integers(0, 5), num_layers=st.integers(4, 32), share=st.floats(0, 1))
+def test_reaching_lowers_the_warmup_only_as_far_as_the_target_needs(warmup, num_layers, share):
+    target = 1 + share * (num_layers / 1 - 1) / 2  # up to L / 2: every target a warm-up of 0 or 1 reaches
+    shape = ScheduleShape(warmup=warmup).reaching(target, num_layers)
+    assert shape.warmup <= warmup
+    assert num_layers / (shape.warmup + 1) >= target * (1 - 1e-9)
+    if shape.warmup < warmup:  # one more warm-up layer would not reach
+        assert num_layers / (shape.warmup + 2) < target
+
+
 @pytest.mark.parametrize("target", [0.5, 0.99, 12.5, 100.0, math.nan, math.inf, "2"])
 def test_schedule_for_target_refuses_what_no_schedule_reaches(target):
     with pytest.raises(InputError, match="(from 1 to 12.00|at least 1)"):

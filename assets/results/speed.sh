@@ -22,6 +22,13 @@ $py --model random:opt-1.3b --prompt-tokens 64 --max-new-tokens 64 --batch 1 --r
 $py --model embedded --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 5 --compare-targets 2 3 \
     --adapter assets/skipdecode-lora --output $out/bench_tuned.json
 
+# The SkipDecode frontier (issue 13): each layer policy at the app's range of targets with the measured-best shapes,
+# batch 1, 64 tokens; assets/results/frontier.py joins these to the tuned evaluation's accuracy.
+for policy in top importance; do
+  $py --model embedded --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 3 --skip-policy $policy \
+      --compare-targets 1.25 1.5 2 2.5 3 --output $out/bench_skip_frontier_$policy.json
+done
+
 # KV policies at 50% of the prompt (issue 11): every policy, the recommended query-aware Keyformer and Keyformer
 # evicting every 8 steps, against the full model in the same run. A multi-head Llama shape whose attention over the
 # cache is a real share of each step, at batch 1 and 8; the embedded model at batch 1.
