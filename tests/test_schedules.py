@@ -313,6 +313,7 @@ def test_schedule_for_target_uses_the_measured_shape(policy, target):
 
 @given(warmup=st.integers(0, 5), num_layers=st.integers(4, 32), share=st.floats(0, 1))
 def test_reaching_lowers_the_warmup_only_as_far_as_the_target_needs(warmup, num_layers, share):
+    warmup = min(warmup, num_layers - 1)  # a valid warm-up for the model
     target = 1 + share * (num_layers / 1 - 1) / 2  # up to L / 2: every target a warm-up of 0 or 1 reaches
     shape = ScheduleShape(warmup=warmup).reaching(target, num_layers)
     assert shape.warmup <= warmup

@@ -59,7 +59,6 @@ def test_frontier_joins_quality_to_the_measured_speed_of_the_same_schedule():
         frontier_rows(quality, bench[:1])
 
 
-@pytest.mark.skipif(not STUDY.is_file(), reason="no committed shape study")
 def test_the_measured_shapes_are_the_committed_studys_winners():
     study = json.loads(STUDY.read_text())
     assert study["complete"]
