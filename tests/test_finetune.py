@@ -202,10 +202,10 @@ def test_the_committed_adapter_round_trips_its_shapes_and_policy_and_the_cli_use
     assert policy == meta["schedule"]["policy"] and policy in shapes
     assert shapes_to_json(shapes) == meta["schedule"]["shapes"]
     for target in (1.5, 2.0, 3.0):
-        args = build_parser().parse_args(["generate", "--adapter", adapter, "--skip-target", str(target)])
+        args = build_parser().parse_args(["generate", "--prompt", "x", "--adapter", adapter, "--skip-target", str(target)])
         skip = skipdecode_from(args, 18, 64)
         assert skip.policy == policy
         assert skip.schedule == measured_best_shape(target, policy, shapes).schedule(target, 18, 63)
-        override = build_parser().parse_args(["generate", "--adapter", adapter, "--skip-target", str(target),
+        override = build_parser().parse_args(["generate", "--prompt", "x", "--adapter", adapter, "--skip-target", str(target),
                                               "--skip-schedule", "constant"])
         assert skipdecode_from(override, 18, 64).schedule.b_min == skipdecode_from(override, 18, 64).schedule.b_max
