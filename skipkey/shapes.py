@@ -235,14 +235,17 @@ def main(args) -> int:
 def frontier_rows(quality_rows: list[dict], bench_rows: list[dict]) -> list[dict]:
     """Each SkipDecode quality row (``eval --suite tuned``) joined to the measured speedup of its schedule.
 
-    Tuned weights are merged, so a tuned config runs exactly as fast as the untuned one at
-    the same policy and target: one ``bench`` row (``skip POLICY TARGETx``) serves both.
+    Tuned weights are merged, so a tuned config does exactly the work of the untuned one at
+    the same policy and target: every ``bench`` row of it (``skip POLICY TARGETx``, with or
+    without `` (tuned)``) measures that one cost, and the mean of them is its speedup.
     """
-    speed = {}
+    samples: dict[tuple, list[dict]] = {}
     for row in bench_rows:
-        parts = row["variant"].split()
+        parts = row["variant"].removesuffix(" (tuned)").split()
         if len(parts) == 3 and parts[0] == "skip" and parts[2].endswith("x"):
-            speed[(parts[1], float(parts[2][:-1]))] = row
+            samples.setdefault((parts[1], float(parts[2][:-1])), []).append(row)
+    speed = {key: {"speedup_vs_full": sum(r["speedup_vs_full"] for r in rows) / len(rows),
+                   "compute_ratio": rows[0]["compute_ratio"]} for key, rows in samples.items()}
     out = []
     for row in quality_rows:
         if row.get("target") is None:

@@ -71,13 +71,13 @@ def test_a_shared_prompt_pass_gives_every_config_what_running_its_prompt_gives(t
 
 def test_resuming_runs_only_what_is_missing(tiny_gemma, shared_records, monkeypatch):
     configs, shared = shared_records
-    ran, real = [], evaluate._generate
+    ran, real = [], evaluate.decode_config
 
     def counting(loaded, config, *args, **kwargs):
         ran.append(config.label)
         return real(loaded, config, *args, **kwargs)
 
-    monkeypatch.setattr(evaluate, "_generate", counting)
+    monkeypatch.setattr(evaluate, "decode_config", counting)
     saved = []
     more = configs + kv_configs(tiny_gemma.num_layers, ["h2o:pool=5"], [0.5], 0, 16, combined=False)[1:]
     records = retrieval(tiny_gemma, more, [640], 3, 0, lambda msg: None, done=json.loads(json.dumps(shared)),

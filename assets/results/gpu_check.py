@@ -35,7 +35,7 @@ def app_comparison(device: str, tiny: bool, output: Path) -> None:
 
         model = tiny_model("gemma3", seed=1, device=device)
         cache = ModelCache(lambda name: model, adapters={})
-        controls = Controls(max_new_tokens=8, b_max=6, b_min=3, horizon=8, kv_on=True)
+        controls = Controls(max_new_tokens=8, set_by="layers", b_max=6, b_min=3, horizon=8, kv_on=True, tuned=False)
     else:
         cache = ModelCache(lambda name: load_model(name, device=device, progress=False))
         controls = Controls(kv_on=True)  # the page's defaults, with Keyformer on
