@@ -185,6 +185,18 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys):
     assert cli_main(["eval", "--model", str(model_dir), "--suite", "tuned"]) == 2
     assert "needs --adapter" in capsys.readouterr().err
 
+    # The shape study, untuned and tuned: every screened shape is confirmed here (--confirm large), so the
+    # winners are the screen's best; a resumed run screens nothing again.
+    study = cache / "shapes.json"
+    shapes = ["shapes", "--model", str(model_dir), "--targets", "1.5", "--policies", "top", "--screen-prompts", "1",
+              "--prompts", "2", "--max-new-tokens", "6", "--confirm", "1", "--adapter", str(out), "--output", str(study)]
+    assert cli_main(shapes) == 0
+    result = json.loads(study.read_text())
+    assert result["complete"] and {r["model"] for r in result["screen"]} == {"untuned", "tuned"}
+    assert {r["model"] for r in result["confirmed"]} == {"untuned", "tuned"} and result["winners"]["top"]
+    capsys.readouterr()
+    assert cli_main([*shapes, "--resume"]) == 0 and ": accuracy " not in capsys.readouterr().err  # no screen line
+
     code = cli_main(["generate", "--model", str(model_dir), "--adapter", str(cache / "missing"), "--prompt", "Hi"])
     assert code == 2 and "does not exist" in capsys.readouterr().err
     assert cli_main(["finetune", "--model", str(model_dir), "--targets", "3", "1.5"]) == 2
