@@ -307,7 +307,7 @@ class Handlers:
                 return
             word = "Stopped" if sk.stopped else "Done"
             yield comparison_outputs(full, sk, loaded, prompt_texts, redraw=True, final=True)._replace(
-                status=f"**{word}**: {len(full.events)} + {len(sk.events)} tokens. {req.describe()}{req.hint()}")
+                status=f"**{word}**: {len(full.events)} + {len(sk.events)} tokens. {req.describe()}.{req.hint()}")
         finally:
             stop.set()
             if session is not None:
