@@ -53,7 +53,7 @@ SET_BY = ("layers", "target speedup")
 KV_CHOICES = tuple(name for name in reversed(KV_POLICIES) if name != "full")
 DEFAULT_PROMPT = "The three primary colours of light are"
 DEFAULT_NEW_TOKENS = 48  # light enough that the embedded model answers within seconds on a small CPU
-DEFAULT_TARGET = 1.5  # SkipDecode's default nominal speedup (README, "SkipDecode: the shape study")
+DEFAULT_TARGET = 1.5  # SkipDecode's default nominal speedup (README, "SkipDecode fine-tuning": the frontier)
 MAX_NEW_TOKENS_UI = 512
 
 Loader = Callable[[str], LoadedModel]
@@ -117,6 +117,7 @@ class ModelCache:
         if not self.allowed:
             raise InputError("no model is allowed: the allow-list is empty")
         self.adapters = dict(default_adapters() if adapters is None else adapters)
+        self._shapes: dict[str, dict | None] = {}
         self._futures: dict[tuple[str, bool], Future] = {}
         self._lock = threading.Lock()
 
@@ -140,10 +141,12 @@ class ModelCache:
         """
         if not self.has_tuned(name):
             return None
-        try:
-            return adapter_schedule(read_metadata(self.adapters[name]))[1]
-        except (InputError, ModelLoadError):
-            return None  # loading the tuned copy will say what is wrong with the adapter
+        if name not in self._shapes:  # read once: the schedule preview asks on every slider move
+            try:
+                self._shapes[name] = adapter_schedule(read_metadata(self.adapters[name]))[1]
+            except (InputError, ModelLoadError):
+                self._shapes[name] = None  # loading the tuned copy will say what is wrong with the adapter
+        return self._shapes[name]
 
     def check_tuned(self, name) -> str:
         name = self.check(name)
@@ -377,7 +380,7 @@ def build_request(num_layers: int, controls: Controls, shapes: dict | None = Non
         if _choice("set SkipDecode by", c.set_by, SET_BY) == "target speedup":
             policy = _choice("layers", c.layer_policy, LAYER_POLICIES)
             skip = make_skipdecode(num_layers, gen_len, target=_number(c.target_speedup), policy=policy,
-                                   shapes=shapes if shapes and policy in shapes else None)
+                                   shapes=shapes)
         elif c.schedule == "constant":
             skip = make_skipdecode(num_layers, gen_len, layers=_whole(_number(c.b_min)), **common)
         else:

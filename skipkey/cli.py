@@ -103,13 +103,13 @@ def skip_requested(args) -> bool:
 
 
 def adapter_schedule_from(args) -> tuple[str, dict | None]:
-    """(layer policy, shape table): ``--skip-policy`` over the ``--adapter``'s, whose shapes a target uses."""
+    """(layer policy, shape table): ``--skip-policy`` over the ``--adapter``'s; a target under the adapter's
+    policy uses the shapes it was trained with (other policies, ``MEASURED_SHAPES``)."""
     if getattr(args, "adapter", None):
         from skipkey.lora import adapter_schedule, read_metadata
 
         policy, shapes = adapter_schedule(read_metadata(args.adapter))
-        if args.skip_policy in (None, policy):
-            return policy, shapes
+        return args.skip_policy or policy, shapes
     return args.skip_policy or "top", None
 
 

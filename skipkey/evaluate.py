@@ -260,7 +260,7 @@ def skip_configs(num_layers: int, targets: list[float], max_new_tokens: int, sha
     for policy in ("top", "importance"):
         for target in targets:
             skip = make_skipdecode(num_layers, decode_steps(max_new_tokens), target=target, policy=policy,
-                                   shapes=shapes if shapes and policy in shapes else None)
+                                   shapes=shapes)
             configs.append(EvalConfig(f"{policy} {target}x", skip=skip, policy=policy, target=target))
     return configs
 

@@ -518,8 +518,9 @@ MEASURED_SHAPES: dict[str, tuple[tuple[float, ScheduleShape], ...]] = {
 
 def measured_best_shape(target: float, policy: str = "top",
                         table: dict[str, Sequence[tuple[float, ScheduleShape]]] | None = None) -> ScheduleShape:
-    """The measured-best shape for ``target`` under layer ``policy`` (``table``: default ``MEASURED_SHAPES``)."""
-    rows = (table or MEASURED_SHAPES).get(policy)
+    """The measured-best shape for ``target`` under layer ``policy``: from ``table`` (e.g. the shapes an adapter
+    was trained with) where it has rows for ``policy``, else from ``MEASURED_SHAPES``."""
+    rows = (table or {}).get(policy) or MEASURED_SHAPES.get(policy)
     if not rows:
         raise InputError(f"no measured schedule shapes for the layer policy {policy!r}")
     if not (isinstance(target, numbers.Real) and not isinstance(target, bool) and target >= 1):
