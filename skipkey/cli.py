@@ -15,6 +15,7 @@ from pathlib import Path
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv_policies import KV_POLICIES, make_kv_policy, parse_policy_spec, policy_options
+from skipkey.lora import APPLIES_AT, SKIPPING_STEPS
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
 
@@ -405,7 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training sequences: windows of offline text (Python's help topics and standard library)")
     p.add_argument("--text-prompt-len", type=int, default=32, help="tokens of a text window before its continuation")
     p.add_argument("--full-depth-share", type=float, default=0.0,
-                   help="share of batches at full depth, so the tuned model's every-layer path stays the original's")
+                   help="share of batches at full depth, so the tuned model's every-layer path stays the original's "
+                        "(with --applies-at every-step)")
+    p.add_argument("--applies-at", choices=APPLIES_AT, default=SKIPPING_STEPS,
+                   help="where the adapter applies: only at decode steps that skip layers (the prompt pass and "
+                        "full-depth steps stay the original model), or merged at every step")
     p.add_argument("--train-dtype", default=None,
                    help="the student's dtype (default: --dtype); bfloat16 is several times faster on AMX CPUs")
     p.add_argument("--seed", type=int, default=0)

@@ -104,6 +104,8 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.arch = get_architecture(loaded.model)
+        # Steps that run every layer (the prompt pass too) use these weights; ``arch``'s run the skipping steps.
+        self.full_arch = self.arch if loaded.full_depth is None else get_architecture(loaded.full_depth)
         self.skip = skip
         self.kv = kv
         if skip is not None:
@@ -138,7 +140,7 @@ class Engine:
         Each layer's cache settles (evicts or trims) as soon as the layer has run, so
         the prompt's full keys and values are held for one layer at a time.
         """
-        arch = self.arch
+        arch = self.full_arch
         rope_pos = positions.clamp(min=0)
         hidden = arch.embed(input_ids, rope_pos)
         layer_kwargs = arch.position_inputs(hidden, rope_pos)
@@ -186,7 +188,7 @@ class Engine:
     def decode_one_token(self, tokens: torch.Tensor, positions: torch.Tensor, layers: Sequence[int],
                          state: StepState, retention: "_Retention", step: int) -> torch.Tensor:
         """Feed one token per row through ``layers``; a skipped layer is the identity."""
-        arch = self.arch
+        arch = self.arch if len(layers) < self.arch.num_layers else self.full_arch
         pos = positions[:, None]
         hidden = arch.embed(tokens[:, None], pos)
         layer_kwargs = arch.position_inputs(hidden, pos)

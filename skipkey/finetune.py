@@ -8,6 +8,11 @@ al. 2021) on every decoder layer's attention and MLP projections train here;
 the base weights stay frozen. ``skipkey.lora.load_tuned`` merges them into a
 copy of the weights, so a tuned model decodes exactly as fast as the untuned one.
 
+By default the adapter is skip-only (``applies_at`` "skipping-steps"): its delta
+applies only at decode steps that skip layers, in training (``SkippingGate``)
+as in serving, so the prompt pass and every full-depth step stay the original
+model exactly and the adapter's whole capacity goes to the skipping steps.
+
 The steps, in order (``train`` runs them):
 
 1. ``skipkey.prompts.training_prompts``: seeded, varied prompts (topics in
@@ -22,8 +27,8 @@ The steps, in order (``train`` runs them):
    run does not redo it.
 3. The loop: per batch a schedule (a target speedup drawn uniformly from a
    range, or one fixed target, with the measured-best shape for it; on a
-   ``full_depth_share`` of batches every layer); the batched teacher-forced
-   forward with ``E(t)`` in place; loss = LM loss on the full model's next tokens
+   ``full_depth_share`` of batches every layer, for an adapter that applies at
+   every step); the batched teacher-forced forward with ``E(t)`` in place; loss = LM loss on the full model's next tokens
    + ``kl_weight`` x KL(full model || skipping model); AdamW with warm-up and
    cosine decay; a checkpoint every few steps. The student may run in another
    dtype than the teacher data (bf16: several times faster matrix products on
@@ -54,7 +59,15 @@ from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps,
 from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.loading import cache_root, load_model, resolve_dtype
-from skipkey.lora import ADAPTER_FORMAT, adapter_megabytes, fingerprint, lora_targets, save_adapter
+from skipkey.lora import (
+    ADAPTER_FORMAT,
+    APPLIES_AT,
+    SKIPPING_STEPS,
+    adapter_megabytes,
+    fingerprint,
+    lora_targets,
+    save_adapter,
+)
 from skipkey.prompts import TRAINING_PROMPTS_VERSION, TRAINING_TEXT_VERSION, training_prompts, training_text
 from skipkey.provenance import command_line
 from skipkey.schedules import MEASURED_SHAPES, shapes_to_json
@@ -87,6 +100,7 @@ class FinetuneConfig:
     text_sequences: int = 0  # windows of offline text (help topics, stdlib source), the teacher's log-probs on them
     text_prompt_len: int = 32  # a text window's tokens before its continuation
     full_depth_share: float = 0.0  # share of batches run at full depth: keeps the tuned model's every-layer path
+    applies_at: str = SKIPPING_STEPS  # where the delta applies: only at skipping steps, or at every step
     train_dtype: str | None = None  # the student's dtype (default: --dtype); the teacher data stays in --dtype
     seed: int = 0
     checkpoint_every: int = 10
@@ -110,6 +124,11 @@ class FinetuneConfig:
                              f"got {self.sequences} + {self.text_sequences}")
         require_int("text_prompt_len", self.text_prompt_len, 1, 4096)
         require_float("full_depth_share", self.full_depth_share, 0.0, 1.0)
+        if self.applies_at not in APPLIES_AT:
+            raise InputError(f"applies_at must be one of {', '.join(APPLIES_AT)}, got {self.applies_at!r}")
+        if self.applies_at == SKIPPING_STEPS and self.full_depth_share:
+            raise InputError("--full-depth-share trains the full-depth path, which an adapter applied only at "
+                             "skipping steps leaves as the original model; use it with --applies-at every-step")
         require_int("seed", self.seed, 0, 2**31 - 1)
         require_int("checkpoint_every", self.checkpoint_every, 1, 1_000_000)
         targets = tuple(float(require_float("target", t, 1.0, 100.0)) for t in self.targets)
@@ -291,10 +310,11 @@ def distill_kl(logq: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torc
     return (kl_top + log_rest_p.exp() * (log_rest_p - log_rest_q)).mean()
 
 
-def skipdecode_loss(arch, batch: dict, layer_sets, kl_weight: float):
+def skipdecode_loss(arch, batch: dict, layer_sets, kl_weight: float, adapter_at=None):
     """(loss, LM loss, KL) of the skipping model on the batch's continuations."""
     logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"], layer_sets,
-                                         attention_mask=batch["attention_mask"], logits_at=batch["logits_at"])
+                                         attention_mask=batch["attention_mask"], logits_at=batch["logits_at"],
+                                         adapter_at=adapter_at)
     logq = torch.log_softmax(logits.float(), dim=-1)
     lm = F.nll_loss(logq, batch["targets"])
     kl = distill_kl(logq, batch["teacher_logp"], batch["teacher_ids"]) if kl_weight > 0 else lm.new_zeros(())
@@ -321,6 +341,33 @@ def add_lora(model, cfg: FinetuneConfig, targets: list[str]):
 
 def trainable(peft_model) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
+
+
+class SkippingGate:
+    """Applies a peft LoRA model's delta only at the slots it is told, as a skip-only adapter is served.
+
+    A forward hook scales each ``lora_B`` output by the ``[B, T]`` mask of slots at
+    skipping steps (``teacher_forced``'s ``adapter_at``); ``None`` applies it everywhere.
+    """
+
+    def __init__(self, peft_model):
+        self.where: torch.Tensor | None = None
+        self.handles = [module.register_forward_hook(self._gate) for name, module in peft_model.named_modules()
+                        if name.endswith("lora_B.default")]
+        if not self.handles:
+            raise ModelLoadError("no LoRA adapter to gate in this model")
+
+    def __call__(self, where: torch.Tensor | None) -> None:
+        self.where = where
+
+    def _gate(self, module, args, output):
+        if self.where is None:
+            return output
+        return output * self.where[..., None].to(output.dtype)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def save_checkpoint(path: Path, step: int, peft_model, optimizer, history: list, seconds: float,
@@ -386,6 +433,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
     if train_dtype != loaded.dtype:  # e.g. bf16 on a CPU with AMX: its matmuls are several times faster
         student = copy.deepcopy(loaded.model).to(train_dtype)
     peft_model = add_lora(student, cfg, targets)
+    gate = SkippingGate(peft_model) if cfg.applies_at == SKIPPING_STEPS else None
     try:
         arch = get_architecture(student)
         params = trainable(peft_model)
@@ -405,7 +453,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
             target, layer_sets = draw_layer_sets(num_layers, cfg, step)
             batch = {k: v.to(device) if torch.is_tensor(v) else v
                      for k, v in make_batch(data, batch_rows(data, step, cfg), cfg.gen_len).items()}
-            loss, lm, kl = skipdecode_loss(arch, batch, layer_sets, cfg.kl_weight)
+            loss, lm, kl = skipdecode_loss(arch, batch, layer_sets, cfg.kl_weight, gate)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params.values(), GRAD_CLIP)
             optimizer.step()
@@ -423,6 +471,8 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
         log(f"adapter written to {cfg.out} ({adapter_megabytes(cfg.out):.1f} MB) after {seconds / 60:.1f} min")
         return metadata
     finally:
+        if gate is not None:
+            gate.remove()
         if student is loaded.model:
             peft_model.unload()  # give the caller back its model, without adapters
 
@@ -448,7 +498,8 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
                      "draw": "fixed" if len(cfg.targets) == 1 else "uniform per batch",
                      "full_depth_share": cfg.full_depth_share,
                      "continuation_tokens": cfg.gen_len, "decode_steps": cfg.schedule_steps},
-        "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": 0.0, "target_modules": targets},
+        "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": 0.0, "target_modules": targets,
+                 "applies_at": cfg.applies_at},
         "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed,
                  "continuations": {"count": cfg.sequences, "prompts": "skipkey.prompts.training_prompts: topic "
                                    "templates, code openers and Python help-text passages (pydoc_data); none held out",
@@ -483,6 +534,7 @@ def main(args) -> int:
                          alpha=args.alpha, kl_weight=args.kl_weight, targets=tuple(args.targets),
                          gen_len=args.gen_len, sequences=args.sequences, text_sequences=args.text_sequences,
                          text_prompt_len=args.text_prompt_len, full_depth_share=args.full_depth_share,
+                         applies_at=args.applies_at,
                          train_dtype=args.train_dtype, seed=args.seed,
                          checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype)
     if args.resume and args.restart:

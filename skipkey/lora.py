@@ -24,6 +24,11 @@ ADAPTER_FORMAT = "skipkey-skipdecode-lora/1"
 METADATA_FILE = "skipkey_adapter.json"
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 TUNED_SUFFIX = "+skipdecode-lora"
+# Where an adapter's delta applies (metadata ``lora.applies_at``). "skipping-steps": only at decode steps
+# that skip layers, so the prompt pass and full-depth steps are the original model exactly. "every-step":
+# merged everywhere (adapters from before the distinction; their full-depth path moves too).
+EVERY_STEP, SKIPPING_STEPS = "every-step", "skipping-steps"
+APPLIES_AT = (EVERY_STEP, SKIPPING_STEPS)
 WEIGHTS_RTOL = 1e-3  # casting to bf16 moves the layer-0 checksum by ~3e-5; other weights move it far more
 
 
@@ -77,6 +82,14 @@ def read_metadata(adapter_dir: str | Path) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != ADAPTER_FORMAT:
         raise ModelLoadError(f"{directory / METADATA_FILE} is not in the format {ADAPTER_FORMAT!r}")
     return meta
+
+
+def applies_at(meta: dict) -> str:
+    """Where the adapter's delta applies: ``SKIPPING_STEPS`` or ``EVERY_STEP`` (older adapters)."""
+    where = (meta.get("lora") or {}).get("applies_at", EVERY_STEP)
+    if where not in APPLIES_AT:
+        raise ModelLoadError(f"the adapter applies at {where!r}; this SkipKey knows {', '.join(map(repr, APPLIES_AT))}")
+    return where
 
 
 def adapter_schedule(meta: dict) -> tuple[str, dict]:
@@ -136,7 +149,10 @@ def load_tuned(loaded, adapter_dir: str | Path):
 
     Refuses an adapter trained for another model. Named ``<name>+skipdecode-lora``;
     ``loaded`` itself is unchanged, and the two share every tensor the adapters
-    do not touch.
+    do not touch. A skip-only adapter (``applies_at`` "skipping-steps") keeps
+    ``loaded.model`` as the new model's ``full_depth`` weights: the engine runs
+    the prompt pass and every full-depth step on them, the skipping steps on the
+    merged copy (swapping costs nothing: both are resident).
     """
     from peft import PeftModel
 
@@ -145,6 +161,7 @@ def load_tuned(loaded, adapter_dir: str | Path):
     meta = read_metadata(adapter_dir)
     directory = Path(adapter_dir).expanduser()
     check_compatible(meta, loaded, directory)
+    where = applies_at(meta)
     model = _copy_for_merge(loaded.model, meta.get("lora", {}).get("target_modules") or lora_targets(loaded.model))
     try:
         merged = PeftModel.from_pretrained(model, str(directory), is_trainable=False).merge_and_unload()
@@ -154,4 +171,5 @@ def load_tuned(loaded, adapter_dir: str | Path):
     merged.eval()
     merged.requires_grad_(False)
     return LoadedModel(model=merged, tokenizer=loaded.tokenizer, name=f"{loaded.name}{TUNED_SUFFIX}",
-                       device=loaded.device, dtype=loaded.dtype)
+                       device=loaded.device, dtype=loaded.dtype,
+                       full_depth=loaded.model if where == SKIPPING_STEPS else None)

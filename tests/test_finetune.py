@@ -10,8 +10,20 @@ from safetensors.torch import load_file
 from skipkey.cli import main as cli_main
 from skipkey.architectures import get_architecture
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.finetune import FinetuneConfig, build_dataset, draw_layer_sets, make_batch, skipdecode_loss, train
-from skipkey.lora import METADATA_FILE, fingerprint, load_tuned
+from skipkey.config import GenerationSettings
+from skipkey.engine import Engine
+from skipkey.finetune import (
+    FinetuneConfig,
+    SkippingGate,
+    build_dataset,
+    draw_layer_sets,
+    make_batch,
+    skipdecode_loss,
+    train,
+)
+from skipkey.lora import METADATA_FILE, SKIPPING_STEPS, fingerprint, load_tuned
+from skipkey.skipdecode import make_skipdecode
+from skipkey.teacher_forced import teacher_forced_logits
 from skipkey.prompts import ORDINARY_PROMPTS, training_prompts
 from skipkey.tiny import tiny_model
 
@@ -49,15 +61,54 @@ def test_training_prompts_are_seeded_varied_and_never_held_out():
     assert any(p.startswith(("def ", "class ", "#")) for p in prompts)  # code, prose and help text alike
 
 
+def gated(lm, adapter):
+    """The adapter unmerged on a copy of ``lm``'s model, applied only where the gate says (as in training)."""
+    import copy
+
+    from peft import PeftModel
+
+    model = copy.deepcopy(lm.model)
+    PeftModel.from_pretrained(model, str(adapter), is_trainable=False)  # wraps ``model``'s layers in place
+    return get_architecture(model), SkippingGate(model)
+
+
 def test_training_reduces_the_skipping_loss_on_a_fixed_batch(trained):
     lm, cfg, data = trained
     batch = make_batch(data, list(range(8)), cfg.gen_len)
     _, layer_sets = draw_layer_sets(lm.num_layers, FinetuneConfig(**{**TINY, "targets": (2.0,)}), 0)
-    tuned = load_tuned(lm, cfg.out)
+    arch, gate = gated(lm, cfg.out)
     with torch.no_grad():
         before = skipdecode_loss(get_architecture(lm.model), batch, layer_sets, cfg.kl_weight)[0]
-        after = skipdecode_loss(get_architecture(tuned.model), batch, layer_sets, cfg.kl_weight)[0]
+        after = skipdecode_loss(arch, batch, layer_sets, cfg.kl_weight, gate)[0]
     assert after < 0.95 * before
+
+
+def test_a_skip_only_adapter_decodes_as_it_trained_and_leaves_full_depth_the_original(trained):
+    lm, cfg, _ = trained
+    tuned = load_tuned(lm, cfg.out)
+    assert tuned.full_depth is lm.model
+    prompt = lm.tokenizer(ORDINARY_PROMPTS[0])["input_ids"][:10]
+    settings = GenerationSettings(max_new_tokens=12)
+    full = [e.tokens[0] for e in Engine(lm).generate([prompt], settings)]
+    forced = [e.logprobs[0] for e in Engine(lm).generate([prompt], forced=[full])]
+    # Every layer at every step: the original model exactly, prompt pass included.
+    assert [e.logprobs[0] for e in Engine(tuned).generate([prompt], forced=[full])] == forced
+
+    skip = make_skipdecode(lm.num_layers, 12, target=2.0)
+    events = list(Engine(tuned, skip=skip).generate([prompt], forced=[full]))
+    assert events[0].logprobs[0] == forced[0]  # the prompt pass is the original's
+    # The merged copy at skipping steps, the original elsewhere, equals the training forward (unmerged, gated).
+    arch, gate = gated(lm, cfg.out)
+    ids = torch.tensor([prompt + full[:-1]])
+    with torch.no_grad():
+        ref = torch.log_softmax(teacher_forced_logits(arch, ids, len(prompt), [e.layers for e in events[1:]],
+                                                      adapter_at=gate).float(), dim=-1)
+    ref = ref[len(prompt) - 1:].gather(1, torch.tensor(full)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([e.logprobs[0] for e in events]), ref, rtol=1e-4, atol=1e-4)
+    # ... and the adapter did change the skipping steps.
+    untuned = [e.logprobs[0] for e in Engine(lm, skip=skip).generate([prompt], forced=[full])]
+    skipping = [i for i, e in enumerate(events) if len(e.layers) < lm.num_layers]
+    assert skipping and max(abs(events[i].logprobs[0] - untuned[i]) for i in skipping) > 1e-3
 
 
 def test_load_tuned_merges_into_a_copy_and_leaves_the_base_alone(trained):
@@ -79,6 +130,7 @@ def test_adapter_files_are_small_and_say_how_they_were_made(trained):
     assert meta["base_model"] == "tiny-gemma3" and meta["schedule"]["targets"] == [1.5, 2.5]
     assert meta["training"]["steps"] == 20 and meta["command"].startswith("python -m skipkey finetune")
     assert meta["loss"]["curve"] and meta["base_fingerprint"]["num_layers"] == 6
+    assert meta["lora"]["applies_at"] == SKIPPING_STEPS
 
 
 @pytest.mark.parametrize("other, message", [
@@ -142,6 +194,8 @@ def test_checkpoint_and_resume_give_the_same_state(cache):
     (dict(steps=0), "steps must be in"),
     (dict(rank=0), "rank must be in"),
     (dict(lr=0.0), "lr must be in"),
+    (dict(applies_at="sometimes"), "applies_at must be one of"),
+    (dict(full_depth_share=0.2), "use it with --applies-at every-step"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(InputError, match=message):
@@ -162,9 +216,11 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys):
     lm.tokenizer.save_pretrained(model_dir)
     out = cache / "lora"
     args = ["finetune", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--batch-size", "4",
-            "--sequences", "8", "--gen-len", "6", "--targets", "2", "--work-dir", str(cache / "w")]
+            "--sequences", "8", "--gen-len", "6", "--targets", "2", "--work-dir", str(cache / "w"),
+            "--applies-at", "every-step", "--full-depth-share", "0.5"]  # the older recipe: merged at every step
     assert cli_main(args) == 0
-    assert json.loads((out / METADATA_FILE).read_text())["schedule"]["draw"] == "fixed"
+    meta = json.loads((out / METADATA_FILE).read_text())
+    assert meta["schedule"]["draw"] == "fixed" and meta["lora"]["applies_at"] == "every-step"
     assert cli_main(args) == 2 and "pass --resume" in capsys.readouterr().err
 
     code = cli_main(["generate", "--model", str(model_dir), "--adapter", str(out), "--prompt", "Hello",
