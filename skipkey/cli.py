@@ -411,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--applies-at", choices=APPLIES_AT, default=SKIPPING_STEPS,
                    help="where the adapter applies: only at decode steps that skip layers (the prompt pass and "
                         "full-depth steps stay the original model), or merged at every step")
+    p.add_argument("--min-skipped", type=int, default=1,
+                   help="with --applies-at skipping-steps: the adapter applies at steps that skip at least this "
+                        "many layers (lighter ones run the original weights)")
     p.add_argument("--train-dtype", default=None,
                    help="the student's dtype (default: --dtype); bfloat16 is several times faster on AMX CPUs")
     p.add_argument("--seed", type=int, default=0)

@@ -104,8 +104,10 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.arch = get_architecture(loaded.model)
-        # Steps that run every layer (the prompt pass too) use these weights; ``arch``'s run the skipping steps.
+        # The prompt pass, and steps that skip fewer than ``min_skipped`` layers, run these weights; ``arch``'s
+        # run the others (they differ only for a skip-only adapter, ``LoadedModel.full_depth``).
         self.full_arch = self.arch if loaded.full_depth is None else get_architecture(loaded.full_depth)
+        self.min_skipped = loaded.min_skipped
         self.skip = skip
         self.kv = kv
         if skip is not None:
@@ -188,7 +190,7 @@ class Engine:
     def decode_one_token(self, tokens: torch.Tensor, positions: torch.Tensor, layers: Sequence[int],
                          state: StepState, retention: "_Retention", step: int) -> torch.Tensor:
         """Feed one token per row through ``layers``; a skipped layer is the identity."""
-        arch = self.arch if len(layers) < self.arch.num_layers else self.full_arch
+        arch = self.arch if self.arch.num_layers - len(layers) >= self.min_skipped else self.full_arch
         pos = positions[:, None]
         hidden = arch.embed(tokens[:, None], pos)
         layer_kwargs = arch.position_inputs(hidden, pos)

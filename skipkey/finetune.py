@@ -101,6 +101,7 @@ class FinetuneConfig:
     text_prompt_len: int = 32  # a text window's tokens before its continuation
     full_depth_share: float = 0.0  # share of batches run at full depth: keeps the tuned model's every-layer path
     applies_at: str = SKIPPING_STEPS  # where the delta applies: only at skipping steps, or at every step
+    min_skipped: int = 1  # a skip-only adapter applies at steps that skip at least this many layers
     train_dtype: str | None = None  # the student's dtype (default: --dtype); the teacher data stays in --dtype
     seed: int = 0
     checkpoint_every: int = 10
@@ -126,6 +127,9 @@ class FinetuneConfig:
         require_float("full_depth_share", self.full_depth_share, 0.0, 1.0)
         if self.applies_at not in APPLIES_AT:
             raise InputError(f"applies_at must be one of {', '.join(APPLIES_AT)}, got {self.applies_at!r}")
+        require_int("min_skipped", self.min_skipped, 1, 1024)
+        if self.applies_at != SKIPPING_STEPS and self.min_skipped != 1:
+            raise InputError("--min-skipped is for an adapter applied at skipping steps only")
         if self.applies_at == SKIPPING_STEPS and self.full_depth_share:
             raise InputError("--full-depth-share trains the full-depth path, which an adapter applied only at "
                              "skipping steps leaves as the original model; use it with --applies-at every-step")
@@ -344,21 +348,24 @@ def trainable(peft_model) -> dict[str, torch.nn.Parameter]:
 
 
 class SkippingGate:
-    """Applies a peft LoRA model's delta only at the slots it is told, as a skip-only adapter is served.
+    """Applies a peft LoRA model's delta only where a step skips at least ``min_skipped`` layers, as a
+    skip-only adapter is served.
 
-    A forward hook scales each ``lora_B`` output by the ``[B, T]`` mask of slots at
-    skipping steps (``teacher_forced``'s ``adapter_at``); ``None`` applies it everywhere.
+    ``teacher_forced``'s ``adapter_at``: told how many layers each slot's step skips
+    (``[B, T]``), a forward hook zeroes each ``lora_B`` output elsewhere; ``None``
+    applies it everywhere.
     """
 
-    def __init__(self, peft_model):
+    def __init__(self, peft_model, min_skipped: int = 1):
+        self.min_skipped = min_skipped
         self.where: torch.Tensor | None = None
         self.handles = [module.register_forward_hook(self._gate) for name, module in peft_model.named_modules()
                         if name.endswith("lora_B.default")]
         if not self.handles:
             raise ModelLoadError("no LoRA adapter to gate in this model")
 
-    def __call__(self, where: torch.Tensor | None) -> None:
-        self.where = where
+    def __call__(self, skipped: torch.Tensor | None) -> None:
+        self.where = None if skipped is None else skipped >= self.min_skipped
 
     def _gate(self, module, args, output):
         if self.where is None:
@@ -433,7 +440,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
     if train_dtype != loaded.dtype:  # e.g. bf16 on a CPU with AMX: its matmuls are several times faster
         student = copy.deepcopy(loaded.model).to(train_dtype)
     peft_model = add_lora(student, cfg, targets)
-    gate = SkippingGate(peft_model) if cfg.applies_at == SKIPPING_STEPS else None
+    gate = SkippingGate(peft_model, cfg.min_skipped) if cfg.applies_at == SKIPPING_STEPS else None
     try:
         arch = get_architecture(student)
         params = trainable(peft_model)
@@ -499,7 +506,7 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
                      "full_depth_share": cfg.full_depth_share,
                      "continuation_tokens": cfg.gen_len, "decode_steps": cfg.schedule_steps},
         "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": 0.0, "target_modules": targets,
-                 "applies_at": cfg.applies_at},
+                 "applies_at": cfg.applies_at, "min_skipped": cfg.min_skipped},
         "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed,
                  "continuations": {"count": cfg.sequences, "prompts": "skipkey.prompts.training_prompts: topic "
                                    "templates, code openers and Python help-text passages (pydoc_data); none held out",
@@ -534,7 +541,7 @@ def main(args) -> int:
                          alpha=args.alpha, kl_weight=args.kl_weight, targets=tuple(args.targets),
                          gen_len=args.gen_len, sequences=args.sequences, text_sequences=args.text_sequences,
                          text_prompt_len=args.text_prompt_len, full_depth_share=args.full_depth_share,
-                         applies_at=args.applies_at,
+                         applies_at=args.applies_at, min_skipped=args.min_skipped,
                          train_dtype=args.train_dtype, seed=args.seed,
                          checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype)
     if args.resume and args.restart:

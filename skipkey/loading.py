@@ -85,10 +85,12 @@ class LoadedModel:
     device: torch.device  # where the input ids go (the embedding's execution device under a device map)
     dtype: torch.dtype
     placement: Placement | None = None  # how accelerate placed it; None: whole on ``device``
-    # The weights that run every step at full depth (the prompt pass included), where they differ from
-    # ``model``'s: a skip-only SkipDecode adapter (``skipkey.lora``) is merged into ``model`` and applies only
-    # at steps that skip layers, so the full-depth path stays the original model exactly.
+    # The weights that run the prompt pass and every step that skips fewer than ``min_skipped`` layers, where
+    # they differ from ``model``'s: a skip-only SkipDecode adapter (``skipkey.lora``) is merged into ``model``
+    # and applies only at steps that skip at least ``min_skipped`` layers, so the full-depth path (and light
+    # skipping) stays the original model exactly.
     full_depth: transformers.PreTrainedModel | None = None
+    min_skipped: int = 1
 
     @property
     def context_length(self) -> int:

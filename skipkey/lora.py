@@ -151,8 +151,9 @@ def load_tuned(loaded, adapter_dir: str | Path):
     ``loaded`` itself is unchanged, and the two share every tensor the adapters
     do not touch. A skip-only adapter (``applies_at`` "skipping-steps") keeps
     ``loaded.model`` as the new model's ``full_depth`` weights: the engine runs
-    the prompt pass and every full-depth step on them, the skipping steps on the
-    merged copy (swapping costs nothing: both are resident).
+    the prompt pass and every step that skips fewer than ``min_skipped`` layers
+    on them, the others on the merged copy (swapping costs nothing: both are
+    resident).
     """
     from peft import PeftModel
 
@@ -162,6 +163,7 @@ def load_tuned(loaded, adapter_dir: str | Path):
     directory = Path(adapter_dir).expanduser()
     check_compatible(meta, loaded, directory)
     where = applies_at(meta)
+    min_skipped = int((meta.get("lora") or {}).get("min_skipped", 1))
     model = _copy_for_merge(loaded.model, meta.get("lora", {}).get("target_modules") or lora_targets(loaded.model))
     try:
         merged = PeftModel.from_pretrained(model, str(directory), is_trainable=False).merge_and_unload()
@@ -172,4 +174,5 @@ def load_tuned(loaded, adapter_dir: str | Path):
     merged.requires_grad_(False)
     return LoadedModel(model=merged, tokenizer=loaded.tokenizer, name=f"{loaded.name}{TUNED_SUFFIX}",
                        device=loaded.device, dtype=loaded.dtype,
-                       full_depth=loaded.model if where == SKIPPING_STEPS else None)
+                       full_depth=loaded.model if where == SKIPPING_STEPS else None,
+                       min_skipped=min_skipped if where == SKIPPING_STEPS else 1)

@@ -13,8 +13,9 @@ that fine-tuning (SkipDecode's training) differentiates through, and how
 perplexity is measured for skipping. Nothing here disables autograd.
 
 A skip-only adapter applies only at decode steps that skip layers: the
-``adapter_at`` callback is told, before each layer runs, which slots those are
-(``[B, T]`` bool), and after the pass ``None``.
+``adapter_at`` callback is told, before each layer runs, how many layers each
+slot's step skips (``[B, T]``, 0 at the prompt and padding), and after the
+pass ``None``.
 """
 
 from __future__ import annotations
@@ -64,21 +65,21 @@ def _runs(layer_idx: int, positions: torch.Tensor, prompt_lens: torch.Tensor,
     return runs
 
 
-def _skipping(positions: torch.Tensor, prompt_lens: torch.Tensor, layer_sets: Sequence[Sequence[int]],
-              num_layers: int) -> torch.Tensor:
-    """``[B, T]``: which slots are at decode steps that skip layers (``len(E(t)) < L``)."""
+def _skipped(positions: torch.Tensor, prompt_lens: torch.Tensor, layer_sets: Sequence[Sequence[int]],
+             num_layers: int) -> torch.Tensor:
+    """``[B, T]``: how many layers each slot's step skips (``L - len(E(t))``; 0 at the prompt and padding)."""
     steps = positions - prompt_lens[:, None]
     if not layer_sets:
-        return torch.zeros_like(steps, dtype=torch.bool)
-    skips = torch.tensor([len(layers) < num_layers for layers in layer_sets], device=positions.device)
+        return torch.zeros_like(steps)
+    skips = torch.tensor([num_layers - len(layers) for layers in layer_sets], device=positions.device)
     decoding = (steps >= 0) & (steps < len(layer_sets))
-    return decoding & skips[steps.clamp(0, len(layer_sets) - 1)]
+    return torch.where(decoding, skips[steps.clamp(0, len(layer_sets) - 1)], 0)
 
 
 def _final_hidden(arch, input_ids: torch.Tensor, positions: torch.Tensor, prompt_lens: torch.Tensor,
                   layer_sets: Sequence[Sequence[int]], kept=None, adapter_at=None) -> torch.Tensor:
     """Hidden states ``[B, T, H]`` after the last layer; ``positions`` is -1 at padding."""
-    skipping = None if adapter_at is None else _skipping(positions, prompt_lens, layer_sets, arch.num_layers)
+    skipped = None if adapter_at is None else _skipped(positions, prompt_lens, layer_sets, arch.num_layers)
     rope_pos = positions.clamp(min=0)
     hidden = arch.embed(input_ids, rope_pos)
     inputs_by_end: dict[int, list[dict]] = {}
@@ -93,8 +94,8 @@ def _final_hidden(arch, input_ids: torch.Tensor, positions: torch.Tensor, prompt
                 inputs_by_end[end] = arch.position_inputs(hidden[:, :end], rope_pos[:, :end])
             mask = _mask(idx, arch.layer_info[idx].sliding_window, positions[:, :end], int(prompt_lens[0]),
                          kept, arch.num_heads)
-            if skipping is not None:
-                adapter_at(skipping[:, :end])
+            if skipped is not None:
+                adapter_at(skipped[:, :end])
             out = arch.run_layer(idx, hidden[:, :end], inputs_by_end[end][idx], attention_mask=mask)
             head = torch.where(runs[:, :end, None], out, hidden[:, :end])
             hidden = head if end == hidden.shape[1] else torch.cat([head, hidden[:, end:]], dim=1)

@@ -1,5 +1,6 @@
 """SkipDecode fine-tuning on tiny models: it learns, resumes exactly, and its adapter only fits its own model."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -94,21 +95,29 @@ def test_a_skip_only_adapter_decodes_as_it_trained_and_leaves_full_depth_the_ori
     # Every layer at every step: the original model exactly, prompt pass included.
     assert [e.logprobs[0] for e in Engine(tuned).generate([prompt], forced=[full])] == forced
 
-    skip = make_skipdecode(lm.num_layers, 12, target=2.0)
-    events = list(Engine(tuned, skip=skip).generate([prompt], forced=[full]))
-    assert events[0].logprobs[0] == forced[0]  # the prompt pass is the original's
-    # The merged copy at skipping steps, the original elsewhere, equals the training forward (unmerged, gated).
+    skip = make_skipdecode(lm.num_layers, 12, target=1.5)  # skips 0, 0, 1, 1, 2, 2, then 3 layers
+    untuned = [e.logprobs[0] for e in Engine(lm, skip=skip).generate([prompt], forced=[full])]
     arch, gate = gated(lm, cfg.out)
     ids = torch.tensor([prompt + full[:-1]])
-    with torch.no_grad():
-        ref = torch.log_softmax(teacher_forced_logits(arch, ids, len(prompt), [e.layers for e in events[1:]],
-                                                      adapter_at=gate).float(), dim=-1)
-    ref = ref[len(prompt) - 1:].gather(1, torch.tensor(full)[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor([e.logprobs[0] for e in events]), ref, rtol=1e-4, atol=1e-4)
-    # ... and the adapter did change the skipping steps.
-    untuned = [e.logprobs[0] for e in Engine(lm, skip=skip).generate([prompt], forced=[full])]
-    skipping = [i for i, e in enumerate(events) if len(e.layers) < lm.num_layers]
-    assert skipping and max(abs(events[i].logprobs[0] - untuned[i]) for i in skipping) > 1e-3
+    for min_skipped in (1, 2):  # the adapter applies at steps that skip at least this many layers
+        gate.min_skipped = min_skipped
+        events = list(Engine(dataclasses.replace(tuned, min_skipped=min_skipped), skip=skip).generate(
+            [prompt], forced=[full]))
+        assert events[0].logprobs[0] == forced[0]  # the prompt pass is the original's
+        # The merged copy where the adapter applies, the original elsewhere, equals the training forward
+        # (unmerged, gated).
+        with torch.no_grad():
+            ref = torch.log_softmax(teacher_forced_logits(arch, ids, len(prompt), [e.layers for e in events[1:]],
+                                                          adapter_at=gate).float(), dim=-1)
+        ref = ref[len(prompt) - 1:].gather(1, torch.tensor(full)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([e.logprobs[0] for e in events]), ref, rtol=1e-4, atol=1e-4)
+        # ... and the adapter changed the steps that skip enough, and only those.
+        skipped = [lm.num_layers - len(e.layers) for e in events]
+        applied = [i for i, n in enumerate(skipped) if n >= min_skipped]
+        assert applied and max(abs(events[i].logprobs[0] - untuned[i]) for i in applied) > 1e-3
+        light = [i for i, n in enumerate(skipped) if 0 < n < min_skipped]
+        assert all(events[i].logprobs[0] == untuned[i] for i in light)
+        assert min_skipped == 1 or light, "the schedule must have a light step for this to test anything"
 
 
 def test_load_tuned_merges_into_a_copy_and_leaves_the_base_alone(trained):
@@ -196,6 +205,8 @@ def test_checkpoint_and_resume_give_the_same_state(cache):
     (dict(lr=0.0), "lr must be in"),
     (dict(applies_at="sometimes"), "applies_at must be one of"),
     (dict(full_depth_share=0.2), "use it with --applies-at every-step"),
+    (dict(applies_at="every-step", min_skipped=2), "for an adapter applied at skipping steps only"),
+    (dict(min_skipped=0), "min_skipped must be in"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(InputError, match=message):

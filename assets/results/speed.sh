@@ -22,11 +22,12 @@ $py --model random:opt-1.3b --prompt-tokens 64 --max-new-tokens 64 --batch 1 --r
 $py --model embedded --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 5 --compare-targets 2 3 \
     --adapter assets/skipdecode-lora --output $out/bench_tuned.json
 
-# The SkipDecode frontier (issue 13): each layer policy at the app's range of targets with the measured-best shapes,
-# batch 1, 64 tokens; assets/results/frontier.py joins these to the tuned evaluation's accuracy.
+# The SkipDecode frontier (issue 13): each layer policy at the tuned evaluation's targets with the measured-best
+# shapes, untuned and tuned (the committed adapter), batch 1, 64 tokens; assets/results/frontier.py joins these to
+# the tuned evaluation's accuracy.
 for policy in top importance; do
   $py --model embedded --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 3 --skip-policy $policy \
-      --compare-targets 1.25 1.5 2 2.5 3 --output $out/bench_skip_frontier_$policy.json
+      --compare-targets 1.25 1.5 2 3 --adapter assets/skipdecode-lora --output $out/bench_skip_frontier_$policy.json
 done
 
 # KV policies at 50% of the prompt (issue 11): every policy, the recommended query-aware Keyformer and Keyformer
