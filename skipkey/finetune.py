@@ -9,9 +9,10 @@ the base weights stay frozen. ``skipkey.lora.load_tuned`` merges them into a
 copy of the weights, so a tuned model decodes exactly as fast as the untuned one.
 
 By default the adapter is skip-only (``applies_at`` "skipping-steps"): its delta
-applies only at decode steps that skip layers, in training (``SkippingGate``)
-as in serving, so the prompt pass and every full-depth step stay the original
-model exactly and the adapter's whole capacity goes to the skipping steps.
+applies only at decode steps that skip at least ``min_skipped`` layers, in
+training (``SkippingGate``) as in serving, so the prompt pass, every full-depth
+step and lighter skipping stay the original model exactly, and the adapter's
+whole capacity goes to the steps that need it.
 
 The steps, in order (``train`` runs them):
 
@@ -28,7 +29,8 @@ The steps, in order (``train`` runs them):
 3. The loop: per batch a schedule (a target speedup drawn uniformly from a
    range, or one fixed target, with the measured-best shape for it; on a
    ``full_depth_share`` of batches every layer, for an adapter that applies at
-   every step); the batched teacher-forced forward with ``E(t)`` in place; loss = LM loss on the full model's next tokens
+   every step); the batched teacher-forced forward with ``E(t)`` in place;
+   loss = LM loss on the full model's next tokens
    + ``kl_weight`` x KL(full model || skipping model); AdamW with warm-up and
    cosine decay; a checkpoint every few steps. The student may run in another
    dtype than the teacher data (bf16: several times faster matrix products on
