@@ -84,12 +84,16 @@ def read_metadata(adapter_dir: str | Path) -> dict:
     return meta
 
 
-def applies_at(meta: dict) -> str:
-    """Where the adapter's delta applies: ``SKIPPING_STEPS`` or ``EVERY_STEP`` (older adapters)."""
-    where = (meta.get("lora") or {}).get("applies_at", EVERY_STEP)
+def applies_at(meta: dict) -> tuple[str, int]:
+    """Where the adapter's delta applies: ``SKIPPING_STEPS`` or ``EVERY_STEP`` (older adapters), and the fewest
+    layers a step must skip for it to apply there."""
+    lora = meta.get("lora") or {}
+    where, min_skipped = lora.get("applies_at", EVERY_STEP), lora.get("min_skipped", 1)
     if where not in APPLIES_AT:
         raise ModelLoadError(f"the adapter applies at {where!r}; this SkipKey knows {', '.join(map(repr, APPLIES_AT))}")
-    return where
+    if not isinstance(min_skipped, int) or isinstance(min_skipped, bool) or min_skipped < 1:
+        raise ModelLoadError(f"the adapter's min_skipped must be a whole number from 1, got {min_skipped!r}")
+    return where, min_skipped
 
 
 def adapter_schedule(meta: dict) -> tuple[str, dict]:
@@ -162,8 +166,7 @@ def load_tuned(loaded, adapter_dir: str | Path):
     meta = read_metadata(adapter_dir)
     directory = Path(adapter_dir).expanduser()
     check_compatible(meta, loaded, directory)
-    where = applies_at(meta)
-    min_skipped = int((meta.get("lora") or {}).get("min_skipped", 1))
+    where, min_skipped = applies_at(meta)
     model = _copy_for_merge(loaded.model, meta.get("lora", {}).get("target_modules") or lora_targets(loaded.model))
     try:
         merged = PeftModel.from_pretrained(model, str(directory), is_trainable=False).merge_and_unload()

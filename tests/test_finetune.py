@@ -153,6 +153,23 @@ def test_load_tuned_refuses_another_model(trained, other, message):
         load_tuned(tiny_model(**other), cfg.out)
 
 
+@pytest.mark.parametrize("lora, message", [
+    ({"applies_at": "sometimes"}, "applies at 'sometimes'"),
+    ({"applies_at": "skipping-steps", "min_skipped": 0}, "min_skipped must be a whole number from 1"),
+])
+def test_load_tuned_refuses_metadata_it_cannot_serve(trained, tmp_path, lora, message):
+    import shutil
+
+    lm, cfg, _ = trained
+    copy = tmp_path / "adapter"
+    shutil.copytree(cfg.out, copy)
+    meta = json.loads((copy / METADATA_FILE).read_text())
+    meta["lora"].update(lora)
+    (copy / METADATA_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ModelLoadError, match=message):
+        load_tuned(lm, copy)
+
+
 def test_load_tuned_accepts_the_same_model_in_another_dtype(trained):
     _, cfg, _ = trained
     tuned = load_tuned(tiny_model("gemma3", dtype=torch.bfloat16), cfg.out)
