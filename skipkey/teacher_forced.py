@@ -53,27 +53,29 @@ def _mask(layer_idx: int, window: int | None, positions: torch.Tensor, prompt_le
     return mask.repeat_interleave(num_heads // heads, dim=1) if heads > 1 else mask
 
 
+def _per_step(values: Sequence, positions: torch.Tensor, prompt_lens: torch.Tensor, outside) -> torch.Tensor:
+    """``[B, T]``: ``values[t]`` at the slot of generated position ``P + t``, ``outside`` everywhere else."""
+    steps = positions - prompt_lens[:, None]
+    table = torch.tensor(list(values), device=positions.device)
+    decoding = (steps >= 0) & (steps < len(table))
+    return torch.where(decoding, table[steps.clamp(0, len(table) - 1)], outside)
+
+
 def _runs(layer_idx: int, positions: torch.Tensor, prompt_lens: torch.Tensor,
           layer_sets: Sequence[Sequence[int]]) -> torch.Tensor:
     """``[B, T]``: which slots run ``layer_idx`` (prompt: all; ``P + t``: ``E(t)``; padding: none)."""
-    steps = positions - prompt_lens[:, None]
     runs = positions >= 0
     if layer_sets:
-        in_set = torch.tensor([layer_idx in layers for layers in layer_sets], device=positions.device)
-        decoding = (steps >= 0) & (steps < len(layer_sets))
-        runs &= ~decoding | in_set[steps.clamp(0, len(layer_sets) - 1)]
+        runs &= _per_step([layer_idx in layers for layers in layer_sets], positions, prompt_lens, True)
     return runs
 
 
 def _skipped(positions: torch.Tensor, prompt_lens: torch.Tensor, layer_sets: Sequence[Sequence[int]],
              num_layers: int) -> torch.Tensor:
     """``[B, T]``: how many layers each slot's step skips (``L - len(E(t))``; 0 at the prompt and padding)."""
-    steps = positions - prompt_lens[:, None]
     if not layer_sets:
-        return torch.zeros_like(steps)
-    skips = torch.tensor([num_layers - len(layers) for layers in layer_sets], device=positions.device)
-    decoding = (steps >= 0) & (steps < len(layer_sets))
-    return torch.where(decoding, skips[steps.clamp(0, len(layer_sets) - 1)], 0)
+        return torch.zeros_like(positions)
+    return _per_step([num_layers - len(layers) for layers in layer_sets], positions, prompt_lens, 0)
 
 
 def _final_hidden(arch, input_ids: torch.Tensor, positions: torch.Tensor, prompt_lens: torch.Tensor,
