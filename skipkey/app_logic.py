@@ -20,7 +20,6 @@ Python, so tests call it directly with a tiny model.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 import threading
@@ -42,7 +41,7 @@ from skipkey.metrics import (Compute, Speed, Transfer, agreement, compute, kv_sh
 from skipkey.offload import Placement, make_placement
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES, SkipDecode, make_skipdecode
-from skipkey.trace import Trace
+from skipkey.trace import Trace, lockstep
 
 MODELS_ENV = "SKIPKEY_MODELS"
 # A model larger than the server's device: placed by accelerate (see skipkey.offload.make_placement).
@@ -431,9 +430,9 @@ def compare(loaded: LoadedModel, request: ComparisonRequest, stop: threading.Eve
 
     Alternating ``next()`` on the two generators keeps both under the same machine
     load, and each side's timings are its own steps only (``StepEvent.seconds``).
-    Which side steps first changes from round to round (``step_order``): work that
-    lands right after an update (the browser redrawing the page on this machine)
-    then falls on both sides alike.
+    Which side steps first changes from round to round (``trace.step_order``): work
+    that lands right after an update (the browser redrawing the page on this
+    machine) then falls on both sides alike.
     Yields the two (growing) traces after every pair of steps. ``stop`` ends both;
     closing this generator closes both engine loops, which frees their caches.
     """
@@ -445,42 +444,15 @@ def compare(loaded: LoadedModel, request: ComparisonRequest, stop: threading.Eve
     # Only SkipKey's kept positions are drawn; the full model's would cost memory for nothing.
     streams = [full.generate([request.prompt], request.settings, stop=stop, record=False),
                skipkey.generate([request.prompt], request.settings, stop=stop, record=True)]
-    live = [True, True]
     try:
-        for round_ in itertools.count():
-            if not any(live):
-                break
-            for side in step_order(round_):
-                stream = streams[side]
-                if live[side]:
-                    event = next(stream, None)
-                    if event is None:
-                        live[side] = False
-                    else:
-                        traces[side].add(event)
-            if any(live):
-                yield traces
+        for _ in lockstep(streams, traces):
+            yield traces
         for trace in traces:
             trace.stopped = stop is not None and stop.is_set()
         yield traces
     finally:
         for stream in streams:
             stream.close()
-
-
-def step_order(round_: int) -> tuple[int, int]:
-    """Which side (0 = full, 1 = SkipKey) steps first in round ``round_``.
-
-    A plain alternation hands every redraw to the same side whenever the page
-    redraws every even number of rounds. The golden-ratio (Weyl) sequence instead
-    is equidistributed along every arithmetic progression of rounds, so whatever
-    the redraw cadence, the round after each redraw starts with either side half
-    of the time.
-    """
-    return (1, 0) if (round_ * _GOLDEN) % 1.0 >= 0.5 else (0, 1)
-
-
-_GOLDEN = (5 ** 0.5 - 1) / 2
 
 
 HISTORY_STEPS = 128  # steps whose kept positions a finished run holds for the step slider

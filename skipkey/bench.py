@@ -1,8 +1,10 @@
 """Speed benchmarks: every variant against the full model in the same run, interleaved.
 
-Each repeat runs every variant once, in turn (``model.generate``, the engine in
-full mode, then each accelerated configuration), so drift in the machine's speed
-hits all of them alike. Ratios are taken between medians of the same run.
+Each repeat runs every variant once, in turn. Every accelerated engine runs in
+lockstep beside a run of the engine's full mode, one step each in turn
+(``trace.lockstep``), so whatever the machine does it does to both a step apart;
+its ratios to the full model are the medians of those runs' own ratios.
+``model.generate`` runs alone, and its ratios are between medians of the same call.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
 from skipkey.metrics import (Compute, Speed, StepCost, Traffic, Transfer, compute, memory, speed, step_cost, traffic,
                              transfer)
-from skipkey.trace import Trace
+from skipkey.trace import Trace, lockstep
 
 FILLER = ("The committee met on a grey morning to review the harbour's accounts. Ships had come and gone, "
           "cargo was weighed, and the clerks wrote every figure twice. ")
@@ -92,9 +94,24 @@ def time_generate(loaded, prompt_ids: list[list[int]], settings: GenerationSetti
 
 
 def time_engine(engine: Engine, prompt_ids: list[list[int]], settings: GenerationSettings) -> Sample:
-    trace = Trace.for_engine(engine)
-    for event in engine.generate(prompt_ids, settings):
-        trace.add(event)
+    return _sample(Trace.collect(engine, prompt_ids, settings))
+
+
+def time_lockstep(full: Engine, engine: Engine, prompt_ids: list[list[int]],
+                  settings: GenerationSettings) -> tuple[Sample, Sample]:
+    """``full`` and ``engine`` on the same prompts, one step each in turn (``trace.lockstep``)."""
+    traces = (Trace.for_engine(full), Trace.for_engine(engine))
+    streams = [full.generate(prompt_ids, settings), engine.generate(prompt_ids, settings)]
+    try:
+        for _ in lockstep(streams, traces):
+            pass
+    finally:
+        for stream in streams:
+            stream.close()
+    return _sample(traces[0]), _sample(traces[1])
+
+
+def _sample(trace: Trace) -> Sample:
     return Sample(speed(trace), new_tokens=len(trace.events), kv_bytes=memory(trace).kv_bytes_peak,
                   compute=compute(trace), cost=step_cost(trace), traffic=traffic(trace), moved=transfer(trace))
 
@@ -102,12 +119,20 @@ def time_engine(engine: Engine, prompt_ids: list[list[int]], settings: Generatio
 @dataclass
 class Variant:
     name: str
-    run: object  # callable(prompt_ids, settings) -> Sample
+    engine: Engine | None  # None: ``model.generate``
     samples: list[Sample] = field(default_factory=list)
+    ratios: list[tuple[float, float]] = field(default_factory=list)  # (speed, TTFT) over full's, per lockstep run
 
     def median(self, attr: str) -> float | None:
         values = [s.as_dict()[attr] for s in self.samples if s.as_dict()[attr] is not None]
         return statistics.median(values) if values else None
+
+
+def variant_run(loaded, variant: Variant, prompt_ids: list[list[int]], settings: GenerationSettings) -> Sample:
+    """One timed run of ``variant`` alone."""
+    if variant.engine is None:
+        return time_generate(loaded, prompt_ids, settings)
+    return time_engine(variant.engine, prompt_ids, settings)
 
 
 def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: list[list[int]],
@@ -117,21 +142,27 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
     Every ratio is against the engine's full mode ("full") and ``model.generate``
     ("generate") measured in this same call.
     """
-    runs = []
-    for name, engine in variants:
-        if engine is None:
-            runs.append(Variant(name, lambda p, s: time_generate(loaded, p, s)))
-        else:
-            runs.append(Variant(name, lambda p, s, e=engine: time_engine(e, p, s)))
+    runs = [Variant(name, engine) for name, engine in variants]
+    full = next((v for v in runs if v.name == "full"), None)
+    beside_full = [v for v in runs if v.engine is not None and v is not full] if full is not None else []
     # A short run of every variant first, even with warmup=0: the first call in a process pays for thread
     # pools, allocator growth and lazily built tables, which would otherwise land on whichever variant runs first.
     short = GenerationSettings(max_new_tokens=2, ignore_eos=True)
     for variant in runs:
-        variant.run([p[:16] for p in prompt_ids], short)
+        variant_run(loaded, variant, [p[:16] for p in prompt_ids], short)
     for i in range(warmup + repeats):
         for variant in runs:
+            if variant is full and beside_full:
+                continue  # it runs beside every other engine variant
             gc.collect()
-            sample = variant.run(prompt_ids, settings)
+            if variant in beside_full:
+                full_sample, sample = time_lockstep(full.engine, variant.engine, prompt_ids, settings)
+                if i >= warmup:
+                    full.samples.append(full_sample)
+                    variant.ratios.append((sample.speed.tokens_per_s / full_sample.speed.tokens_per_s,
+                                           sample.speed.ttft_s / full_sample.speed.ttft_s))
+            else:
+                sample = variant_run(loaded, variant, prompt_ids, settings)
             if i >= warmup:
                 variant.samples.append(sample)
         if i >= warmup:
@@ -140,11 +171,18 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
     by_name = {v.name: v for v in runs}
     full_tps = by_name["full"].median("tokens_per_s") if "full" in by_name else None
     gen_tps = by_name["generate"].median("tokens_per_s") if "generate" in by_name else None
+    full_ttft = by_name["full"].median("ttft_s") if "full" in by_name else None
     full_kv = by_name["full"].median("kv_bytes") if "full" in by_name else None
     full_bytes = by_name["full"].median("read_bytes_per_step") if "full" in by_name else None
     rows = []
     for v in runs:
         tps = v.median("tokens_per_s")
+        # Beside full, step for step: the median of each run's own ratio, which machine drift between runs
+        # cannot move; otherwise (model.generate, or no full variant) the ratio of the medians.
+        vs_full = (statistics.median(r for r, _ in v.ratios) if v.ratios
+                   else tps / full_tps if full_tps else None)
+        ttft_vs_full = (statistics.median(t for _, t in v.ratios) if v.ratios
+                        else v.median("ttft_s") / full_ttft if full_ttft and v.median("ttft_s") else None)
         # The memory-traffic limit: full's bytes per step over this variant's.
         read = v.median("read_bytes_per_step")
         ideal = full_bytes / read if full_bytes and read else None
@@ -155,7 +193,9 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
             "ms_per_token_p90": v.median("ms_per_token_p90"),
             "ttft_s": v.median("ttft_s"),
             "kv_bytes": v.median("kv_bytes"),
-            "speedup_vs_full": tps / full_tps if full_tps else None,
+            "speedup_vs_full": vs_full,
+            "ttft_vs_full": ttft_vs_full,
+            "speedup_range": [min(r for r, _ in v.ratios), max(r for r, _ in v.ratios)] if v.ratios else None,
             "speedup_vs_generate": tps / gen_tps if gen_tps else None,
             "kv_share_of_full": (v.median("kv_bytes") / full_kv) if full_kv and v.median("kv_bytes") else None,
             "nominal_speedup": v.median("nominal_speedup"),
@@ -164,7 +204,7 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
             "fixed_ms": v.median("fixed_ms"),
             "read_bytes_per_step": v.median("read_bytes_per_step"),
             "ideal_ratio": ideal,
-            "measured_over_ideal": tps / full_tps / ideal if ideal and full_tps else None,
+            "measured_over_ideal": vs_full / ideal if ideal and vs_full else None,
             "weight_bytes_per_step": v.median("bytes_per_step"),
             "transfer_ratio": v.median("transfer_ratio"),
             "samples": [s.as_dict() for s in v.samples],
@@ -178,10 +218,11 @@ def format_table(result: dict) -> str:
     width = max([34] + [len(r["variant"]) + 2 for r in result["rows"]])
     head = (f"batch {result['batch']}, prompt {max(result['prompt_tokens'])} tokens, "
             f"{result['max_new_tokens']} new tokens, median of {result['repeats']}")
-    lines = [head, "bytes: the memory-traffic limit, full's bytes read per step over the variant's; "
+    lines = [head, "vs full / TTFT x: decode speed / time to first token over the full model's, run beside it; "
+                   "bytes: the memory-traffic limit, full's bytes read per step over the variant's; "
                    "of bytes: the measured speedup over it; moved MB / transfer: offloaded weights moved per step",
              f"{'variant':<{width}}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'TTFT s':>9}{'KV MB':>9}"
-                   f"{'vs full':>9}{'vs gen':>9}{'nominal':>9}{'compute':>9}{'bytes':>9}{'of bytes':>9}"
+                   f"{'vs full':>9}{'TTFT x':>9}{'vs gen':>9}{'nominal':>9}{'compute':>9}{'bytes':>9}{'of bytes':>9}"
                    f"{'ms/layer':>9}{'fixed ms':>9}{'moved MB':>9}{'transfer':>9}"]
 
     def fmt(x, spec, suffix=""):
@@ -193,7 +234,8 @@ def format_table(result: dict) -> str:
         moved = r["weight_bytes_per_step"] / 2**20 if r.get("weight_bytes_per_step") else None
         lines.append(f"{r['variant']:<{width}}{fmt(r['tokens_per_s'], '9.1f')}{fmt(r['ms_per_token_p50'], '9.1f')}"
                      f"{fmt(r['ms_per_token_p90'], '9.1f')}{fmt(r['ttft_s'], '9.3f')}{fmt(kv, '9.1f')}"
-                     f"{fmt(r['speedup_vs_full'], '9.2f', 'x')}{fmt(r['speedup_vs_generate'], '9.2f', 'x')}"
+                     f"{fmt(r['speedup_vs_full'], '9.2f', 'x')}{fmt(r.get('ttft_vs_full'), '9.2f', 'x')}"
+                     f"{fmt(r['speedup_vs_generate'], '9.2f', 'x')}"
                      f"{fmt(r['nominal_speedup'], '9.2f', 'x')}{fmt(r['compute_ratio'], '9.2f', 'x')}"
                      f"{fmt(r.get('ideal_ratio'), '9.2f', 'x')}{fmt(r.get('measured_over_ideal'), '9.2f')}"
                      f"{fmt(r.get('ms_per_layer'), '9.2f')}{fmt(r.get('fixed_ms'), '9.1f')}"

@@ -6,7 +6,9 @@ functions of a ``Trace``; nothing downstream reaches into the engine.
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from skipkey.engine import Engine, StepEvent
@@ -83,3 +85,44 @@ class Trace:
     @property
     def decode_events(self) -> list[StepEvent]:
         return self.events[1:]
+
+
+def lockstep(streams: Sequence[Iterator[StepEvent]], traces: Sequence[Trace]) -> Iterator[None]:
+    """Step two engines' event streams in turns, one event each per round, adding each event to its trace.
+
+    The fairest comparison two runs can have on one machine: whatever the machine is
+    doing, it does it to both, a step apart, and each side's timings are its own steps
+    only (``StepEvent.seconds`` does not count the time a stream waits at its yield).
+    Which stream steps first changes from round to round (``step_order``), so work that
+    lands right after a round falls on both alike. Yields after every round that added
+    an event; a stream that ends drops out. Closing the streams is the caller's.
+    """
+    live = [True] * len(streams)
+    for round_ in itertools.count():
+        added = False
+        for side in step_order(round_):
+            if live[side]:
+                event = next(streams[side], None)
+                if event is None:
+                    live[side] = False
+                else:
+                    traces[side].add(event)
+                    added = True
+        if not added:
+            return
+        yield
+
+
+def step_order(round_: int) -> tuple[int, int]:
+    """Which of two streams (0 or 1) steps first in round ``round_``.
+
+    A plain alternation hands every redraw to the same side whenever the page
+    redraws every even number of rounds. The golden-ratio (Weyl) sequence instead
+    is equidistributed along every arithmetic progression of rounds, so whatever
+    the redraw cadence, the round after each redraw starts with either side half
+    of the time.
+    """
+    return (1, 0) if (round_ * _GOLDEN) % 1.0 >= 0.5 else (0, 1)
+
+
+_GOLDEN = (5 ** 0.5 - 1) / 2

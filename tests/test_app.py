@@ -485,7 +485,7 @@ def test_the_tuned_copy_is_made_once_and_a_failure_is_retried(tiny, tiny_adapter
 
 def test_which_side_steps_first_is_balanced_whatever_the_redraw_cadence():
     """Interference that lands after a page update (a redraw every k rounds) is shared by both sides."""
-    from skipkey.app_logic import step_order
+    from skipkey.trace import step_order
 
     for cadence in (1, 2, 3, 4, 5, 8):
         firsts = [step_order(r + 1)[0] for r in range(0, 256 * cadence, cadence)]  # the round after each update
