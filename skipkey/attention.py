@@ -195,7 +195,7 @@ def _attend_and_score(layer, layer_idx: int, query, key, value, scaling: float, 
     scores = _per_head_scores(layer, b, hkv)
     view = layer.visible()
     if state.accumulate:
-        scores[..., view] += added
+        scores[..., view].add_(added)  # in place (``+=`` on a slice would copy it back onto itself)
     else:
         scores[..., view] = added
     return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()

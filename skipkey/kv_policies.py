@@ -310,12 +310,13 @@ class KeyformerPolicy(H2OPolicy):
         return self.tau_init + (self.tau_end - self.tau_init) * step / max(1, total_steps)
 
     def contribution(self, logits, step, total_steps, where, probs=None):
-        if self.noise:
-            logits = logits + gumbel_noise(self.seed, where, logits.shape)
         tau = self.temperature(step, total_steps)
-        if tau == 1.0 and probs is not None and not self.noise:
-            return probs
-        return torch.softmax(logits / tau if tau != 1.0 else logits, dim=-1)
+        if not self.noise:
+            if tau == 1.0:
+                return probs if probs is not None else torch.softmax(logits, dim=-1)
+            return torch.softmax(logits / tau, dim=-1)
+        noisy = logits + gumbel_noise(self.seed, where, logits.shape)
+        return torch.softmax(noisy.div_(tau) if tau != 1.0 else noisy, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -421,42 +422,44 @@ def gumbel_noise(seed: int, where, shape) -> torch.Tensor:
     b, hkv, groups, q, s = shape
     qpos = where.query_positions
     device = qpos.device
-    row, shift = _query_draws(seed, where.layer, hkv, groups, device, qpos, where.position_limit)
+    start = _query_starts(seed, where.layer, hkv, groups, device, qpos, where.position_limit)  # [B, Hkv, G, q]
     table = _noise_table(seed, str(device))
     if where.key_start is not None and s <= NOISE_COLS:
         # Consecutive key positions: each query reads one contiguous run of its doubled row.
-        start = (where.key_start[:, None, None, None] + shift) & (NOISE_COLS - 1)
-        return table.unfold(1, s, 1)[row, start]
-    kpos = where.key_positions.expand(b, hkv, s)[:, :, None, None, :]
-    return table.view(-1)[(row * (2 * NOISE_COLS))[..., None] + ((kpos + shift[..., None]) & (NOISE_COLS - 1))]
+        row, shift = start // (2 * NOISE_COLS), start % (2 * NOISE_COLS)
+        return table.unfold(1, s, 1)[row, (where.key_start[:, None, None, None] + shift) & (NOISE_COLS - 1)]
+    # Any key positions (a decode step's shuffled slots): the doubled row makes column
+    # ``(kpos mod NOISE_COLS) + shift`` the same draw as ``(kpos + shift) mod NOISE_COLS``, so each
+    # key costs one mask, one add and one gather.
+    kpos = where.key_positions.expand(b, hkv, s)[:, :, None, None, :] & (NOISE_COLS - 1)
+    return table.view(-1).index_select(0, (start[..., None] + kpos).reshape(-1)).view(b, hkv, groups, q, s)
 
 
 QUERY_TABLE_MAX = 1 << 14  # positions whose (row, rotation) are tabulated per layer; later ones are hashed
 
 
-def _query_draws(seed: int, layer: int, hkv: int, groups: int, device, qpos: torch.Tensor,
-                 limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's table row and rotation, ``[B, Hkv, G, q]`` each: a hash of (seed, layer, head, position).
+def _query_starts(seed: int, layer: int, hkv: int, groups: int, device, qpos: torch.Tensor,
+                  limit: int | None) -> torch.Tensor:
+    """Where each query's draws start in the flattened table, ``[B, Hkv, G, q]``: its row times the
+    doubled row length plus its rotation, from a hash of (seed, layer, head, position).
 
     Decode steps look them up in a per-layer table of every position (one gather
     instead of a dozen integer ops per layer and step).
     """
     if limit is not None and limit <= QUERY_TABLE_MAX:
         count = max(1024, 1 << (limit - 1).bit_length())
-        rows, shifts = _query_table(seed, layer, hkv, groups, device, count)
-        return rows[:, :, qpos].permute(2, 0, 1, 3), shifts[:, :, qpos].permute(2, 0, 1, 3)
+        return _query_table(seed, layer, hkv, groups, device, count)[:, :, qpos].permute(2, 0, 1, 3)
     return _query_hash(seed, layer, hkv, groups, device, qpos[:, None, None, :])
 
 
 def _query_hash(seed, layer, hkv, groups, device, qpos):
     query_hash = _mix(_noise_base(seed, layer, hkv, groups, device) + qpos * 0x85EBCA77)
-    return query_hash & (NOISE_ROWS - 1), _shr(query_hash, 40) & (NOISE_COLS - 1)
+    return (query_hash & (NOISE_ROWS - 1)) * (2 * NOISE_COLS) + (_shr(query_hash, 40) & (NOISE_COLS - 1))
 
 
 @functools.lru_cache(maxsize=512)
 def _query_table(seed, layer, hkv, groups, device, count):
-    rows, shifts = _query_hash(seed, layer, hkv, groups, device, torch.arange(count, device=device)[None])
-    return rows[0], shifts[0]  # [Hkv, G, count]
+    return _query_hash(seed, layer, hkv, groups, device, torch.arange(count, device=device)[None])[0]  # [Hkv, G, n]
 
 
 @functools.lru_cache(maxsize=256)
