@@ -84,6 +84,8 @@ def _mask_for_output(layer, positions: torch.Tensor, query_positions: torch.Tens
     q, s = query_positions.shape[1], positions.shape[-1]
     if layer.dense and (q == 1 or (q == s and (layer.window is None or q <= layer.window))):
         return None
+    if q == 1 and layer.window is None:
+        return (positions >= 0)[:, :, None, :]  # a decode step: every cached token is at or before the query
     slots = torch.arange(q, device=query_positions.device) if q == s else None
     return allowed_keys(positions, query_positions, layer.window, slots)
 

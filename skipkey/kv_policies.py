@@ -138,6 +138,8 @@ class KVPolicy:
         """
         if not layer.settled:
             self.after_prompt(layer)
+        elif not due and layer.window is None:
+            return  # between evictions a global layer frees nothing; ``write`` kept its counts
         elif due and self._evict_one(layer, budgets, next_positions):
             return
         positions = layer.positions[..., :layer.used]
