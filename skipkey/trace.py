@@ -87,7 +87,8 @@ class Trace:
         return self.events[1:]
 
 
-def lockstep(streams: Sequence[Iterator[StepEvent]], traces: Sequence[Trace]) -> Iterator[None]:
+def lockstep(streams: Sequence[Iterator[StepEvent]], traces: Sequence[Trace], first_round: int = 0
+             ) -> Iterator[None]:
     """Step two engines' event streams in turns, one event each per round, adding each event to its trace.
 
     The fairest comparison two runs can have on one machine: whatever the machine is
@@ -96,9 +97,11 @@ def lockstep(streams: Sequence[Iterator[StepEvent]], traces: Sequence[Trace]) ->
     Which stream steps first changes from round to round (``step_order``), so work that
     lands right after a round falls on both alike. Yields after every round that added
     an event; a stream that ends drops out. Closing the streams is the caller's.
+    ``first_round`` offsets the sequence: repeated comparisons that start from
+    successive offsets also alternate who runs the first step (the prompt pass).
     """
     live = [True] * len(streams)
-    for round_ in itertools.count():
+    for round_ in itertools.count(first_round):
         added = False
         for side in step_order(round_):
             if live[side]:

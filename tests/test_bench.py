@@ -27,6 +27,10 @@ def test_lockstep_takes_turns_in_step_order_and_lets_a_finished_stream_drop_out(
     assert traces[0].events == [(0, i) for i in range(3)] and traces[1].events == [(1, i) for i in range(5)]
     assert log[:6] == [side for r in range(3) for side in step_order(r)]  # both live: turns in step_order
     assert log[6:] == [1, 1]  # stream 0 has ended
+    log.clear()
+    traces = [Trace(num_layers=1, layer_cost=1.0, head_cost=1.0) for _ in range(2)]
+    assert sum(1 for _ in lockstep([stream(0, 2), stream(1, 2)], traces, first_round=1)) == 2
+    assert log == [side for r in (1, 2) for side in step_order(r)] and step_order(0) != step_order(1)
 
 
 def test_bench_ratios_are_the_medians_of_each_lockstep_runs_own_ratio(tiny_models):

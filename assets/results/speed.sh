@@ -31,9 +31,10 @@ for policy in top importance; do
 done
 
 # KV policies at 50% of the prompt (issue 11): every policy, the recommended query-aware Keyformer and Keyformer
-# evicting every 8 steps, each in lockstep beside the full model. Batch 1 rows first run every pair once untimed at
-# full length (--warmup 1); the batch-8 rows, whose prompt passes take minutes here, only the short warm-up. A multi-head Llama shape whose attention over the
-# cache is a real share of each step, at batch 1 and 8; the embedded model at batch 1.
+# evicting every 8 steps, each in lockstep beside the full model. A multi-head Llama shape whose attention over the
+# cache is a real share of each step, at batch 1 and 8; the embedded model at batch 1. Batch-1 rows first run every
+# pair once untimed at full length (--warmup 1); the batch-8 rows, whose prompt passes take minutes here, only the
+# short warm-up.
 kv="window streaming h2o keyformer tova snapkv keyformer:observe=8,pool=7 keyformer:evict_every=8"
 $py --model random:llama-mha-350m --prompt-tokens 2048 --max-new-tokens 24 --batch 1 --warmup 1 --repeats 2 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_2k.json
