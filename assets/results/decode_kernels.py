@@ -1,0 +1,83 @@
+"""Two decode-step kernels measured alone, per layer: what a scoring policy's attention costs against SDPA,
+and what Keyformer's noise costs. Llama-MHA-350M's layer shape (16 heads of 64, bf16), batch 1, a 2k prompt
+at 50%: 1025 cached slots (SDPA over the full model's 2049 for reference).
+
+    .venv/bin/python assets/results/decode_kernels.py > assets/results/decode_kernels.txt
+
+"cold" cycles through 24 layers' own caches with a weight matrix read between calls, as in a real step, so the
+cache comes from memory rather than the CPU's caches.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from skipkey.attention import NoiseIndex  # noqa: E402
+from skipkey.kv_policies import gumbel_noise  # noqa: E402
+from skipkey.provenance import machine_description  # noqa: E402
+
+LAYERS, HEADS, SLOTS, FULL_SLOTS, DIM = 24, 16, 1025, 2049, 64
+DTYPE = torch.bfloat16
+
+
+def per_call_us(fn, layers: int = LAYERS, rounds: int = 5, between=None) -> float:
+    """Mean microseconds of ``fn(layer)`` over ``rounds`` passes through the layers (one untimed pass first)."""
+    total = 0.0
+    for r in range(rounds + 1):
+        for i in range(layers):
+            if between is not None:
+                between(i)
+            start = time.perf_counter()
+            fn(i)
+            if r:
+                total += time.perf_counter() - start
+    return total / rounds / layers * 1e6
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    keys = [torch.randn(1, HEADS, SLOTS, DIM, dtype=DTYPE) for _ in range(LAYERS)]
+    values = [torch.randn(1, HEADS, SLOTS, DIM, dtype=DTYPE) for _ in range(LAYERS)]
+    full_keys = [torch.randn(1, HEADS, FULL_SLOTS, DIM, dtype=DTYPE) for _ in range(LAYERS)]
+    full_values = [torch.randn(1, HEADS, FULL_SLOTS, DIM, dtype=DTYPE) for _ in range(LAYERS)]
+    weights = [torch.randn(4096, 1024, dtype=DTYPE) for _ in range(LAYERS)]
+    x = torch.randn(1, 1024, dtype=DTYPE)
+    query = torch.randn(1, HEADS, 1, DIM, dtype=DTYPE)
+
+    def stream_weights(i):
+        x @ weights[i].T
+
+    def sdpa_full(i):
+        F.scaled_dot_product_attention(query, full_keys[i], full_values[i])
+
+    def sdpa(i):
+        F.scaled_dot_product_attention(query, keys[i], values[i])
+
+    def scoring(i):  # the scoring decode attention's kernels (skipkey.attention._attend_and_score)
+        logits = torch.matmul(keys[i], query.transpose(-1, -2)).transpose(-1, -2).float()
+        probs = torch.softmax(logits, dim=-1)
+        torch.matmul(probs.to(DTYPE), values[i])
+
+    positions = torch.randperm(2100)[:SLOTS].view(1, 1, SLOTS).expand(1, HEADS, SLOTS).contiguous()
+    where = NoiseIndex(3, torch.tensor([[2100]]), positions, None, 4096)
+
+    def noise(i):
+        gumbel_noise(0, where, (1, HEADS, 1, 1, SLOTS))
+
+    print(f"# {' '.join(sys.argv)}\n# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"{machine_description(torch.device('cpu'))}\n# microseconds per layer and decode step, batch 1")
+    for name, fn in [("SDPA over 2049 slots (full model)", sdpa_full), ("SDPA over 1025 slots", sdpa),
+                     ("scoring attention over 1025 slots", scoring), ("Keyformer noise for 1025 slots", noise)]:
+        print(f"{name:<36} cold {per_call_us(fn, between=stream_weights):8.1f}   warm {per_call_us(fn, layers=1, rounds=200):8.1f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
