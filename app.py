@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 
 import gradio as gr
 
-from skipkey import figures
+from skipkey import figures, kernels
 from skipkey.app_logic import (
     CONTROLS,
     DEFAULT_NEW_TOKENS,
@@ -516,6 +516,7 @@ def main() -> None:
         raise SystemExit(f"error: {error}") from None
     models = ModelCache()
     models.future(models.default)  # start loading now: the first request should not wait from scratch
+    kernels.build_in_background()  # and compiling the fused CPU kernels, where a compiler is installed
     launch(build_demo(Handlers(models)))
 
 

@@ -6,9 +6,11 @@ keys, call ``KVCache.update`` and then this function. Here we
 * build the mask from the *positions* each cache slot holds (never from slot
   indices), so evicted, trimmed and padded caches all mask correctly;
 * compute the output with transformers' SDPA path, exactly as ``generate`` does;
-* when a KV policy scores tokens (H2O, Keyformer), compute the attention logits
-  a second time for the score only, in query chunks, so the output keeps the
-  fast fused kernel and prefill memory stays bounded.
+* when a KV policy scores tokens (H2O, Keyformer), compute the prompt's attention
+  logits a second time for the score only, in query chunks, so the output keeps
+  the fast fused kernel and prefill memory stays bounded. A decode step computes
+  its logits once, for the output and the score: in one fused C++ call on CPU
+  (``skipkey.kernels``), else as matmul-softmax-matmul.
 
 Without an engine state in the call (e.g. inside ``model.generate``) it is plain SDPA.
 """
@@ -16,15 +18,44 @@ Without an engine state in the call (e.g. inside ``model.generate``) it is plain
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from skipkey import kernels
+from skipkey.noise import NOISE_COLS, gumbel_noise, noise_table, query_starts
+
 ATTENTION_NAME = "skipkey"
 SCORE_CHUNK = 256  # prompt queries scored at once; bounds prefill memory on long prompts
+
+
+@dataclass(frozen=True)
+class ScoreContribution:
+    """What each query adds to a key's score: ``softmax((logits + Gumbel noise) / tau)`` over its keys.
+
+    H2O, TOVA and SnapKV use the attention weights themselves (``tau = 1``, no noise);
+    Keyformer adds noise keyed by ``noise_seed`` and a temperature. One form for every
+    policy is what lets the fused decode kernel compute it.
+    """
+
+    tau: float = 1.0
+    noise_seed: int | None = None  # None: no noise
+
+    @property
+    def is_attention(self) -> bool:
+        """The contribution is the attention weights (no noise, no temperature)."""
+        return self.noise_seed is None and self.tau == 1.0
+
+    def __call__(self, logits: torch.Tensor, where: "NoiseIndex", probs: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits`` [B, Hkv, G, q, S] float32, -inf where masked; ``probs``, when given, is their softmax."""
+        if self.is_attention:
+            return probs if probs is not None else torch.softmax(logits, dim=-1)
+        if self.noise_seed is None:
+            return torch.softmax(logits / self.tau, dim=-1)
+        noisy = logits + gumbel_noise(self.noise_seed, where, logits.shape)
+        return torch.softmax(noisy.div_(self.tau) if self.tau != 1.0 else noisy, dim=-1)
 
 
 @dataclass
@@ -34,9 +65,7 @@ class StepState:
     cache: object  # skipkey.cache.KVCache
     query_positions: torch.Tensor  # [B, q], EMPTY (-1) for padding
     dense: bool = True  # no padding among the queries
-    # (logits [B, Hkv, G, q, S] float32, -inf where masked; NoiseIndex; optionally the same logits
-    # softmaxed, when the caller has them) -> score contribution, same shape
-    contribution: Callable[..., torch.Tensor] | None = None
+    contribution: ScoreContribution | None = None  # set when the KV policy scores this step
     accumulate: bool = True  # add each step's contribution (H2O, Keyformer) or replace it (TOVA)
     observe: int = 0  # prompt scores from each row's last ``observe`` queries only (0: all)
     position_limit: int | None = None  # every query position is below this
@@ -167,24 +196,25 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
     layer.scores = scores + total
 
 
-def _attend_and_score(layer, layer_idx: int, query, key, value, scaling: float, positions, mask,
+def _attend_and_score(layer, layer_idx: int, query, key, value, scaling: float, positions,
                       state: StepState) -> torch.Tensor:
-    """One decode query per row: the logits are computed once, for the output and for the score.
-
-    Matmul in the model's dtype and softmax in float32, as transformers' eager
-    attention does. On CPU a half-precision ``K @ q`` runs about twice as fast as
-    ``q @ K^T`` and float32 the other way round (measured with torch 2.13 on the
-    development machine), so the product is oriented by dtype.
-    """
+    """One decode query per row: the logits are computed once, for the output and for the score."""
+    fused = kernels.for_tensors(key, value)
+    if fused is not None:
+        return _attend_and_score_fused(fused, layer, layer_idx, query, key, value, scaling, positions, state)
     b, hq, _, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
     groups = hq // hkv
+    # Matmul in the model's dtype and softmax in float32, as transformers' eager attention does.
+    # On CPU a half-precision ``K @ q`` runs about twice as fast as ``q @ K^T`` and float32 the
+    # other way round (measured with torch 2.13 on the development machine).
     q = (query * scaling).reshape(b, hkv, groups, d)
     if key.dtype == torch.float32:
         logits = torch.matmul(q, key.transpose(-1, -2))
     else:
         logits = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)
     logits = logits.float()  # [B, Hkv, G, S]
+    mask = _mask_for_output(layer, positions, state.query_positions)
     if mask is not None:
         logits.masked_fill_(~mask[:, :, 0, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -203,6 +233,29 @@ def _attend_and_score(layer, layer_idx: int, query, key, value, scaling: float, 
     return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
 
+_NO_NOISE = (torch.empty(0), torch.empty(0, dtype=torch.long))
+
+
+def _attend_and_score_fused(fused, layer, layer_idx: int, query, key, value, scaling: float, positions,
+                            state: StepState) -> torch.Tensor:
+    """``_attend_and_score`` in one C++ call (``skipkey.kernels``): the keys and values are read once,
+    the scores updated in place. The scaled query, logits and output accumulate in float32."""
+    b, hq, _, d = query.shape
+    hkv = key.shape[1]
+    groups = hq // hkv
+    contribution = state.contribution
+    noise = _NO_NOISE
+    if contribution.noise_seed is not None:
+        starts = query_starts(contribution.noise_seed, layer_idx, hkv, groups, key.device, state.query_positions,
+                              state.position_limit)  # [B, Hkv, G, 1]
+        noise = (noise_table(contribution.noise_seed, str(key.device)).view(-1), starts.reshape(b, hkv, groups).contiguous())
+    scores = _per_head_scores(layer, b, hkv)[..., layer.visible()]
+    # A decode query needs a mask exactly where the layer is not dense (``_mask_for_output``).
+    out = fused.attend_score(query, scaling, key, value, positions, state.query_positions.reshape(b), layer.window or 0,
+                             not layer.dense, scores, state.accumulate, *noise, NOISE_COLS, float(contribution.tau))
+    return out.view(b, hq, 1, d).transpose(1, 2)
+
+
 def skipkey_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                       scaling: float | None = None, skipkey: StepState | None = None, **kwargs):
     kwargs.pop("sliding_window", None)
@@ -215,10 +268,10 @@ def skipkey_attention(module, query, key, value, attention_mask, dropout: float 
         skipkey.capture[module.layer_idx] = (query, key, value, scale)
     key, value = layer.write(key, value, skipkey.query_positions, skipkey.dense)
     positions = layer.visible_positions()
-    mask = _mask_for_output(layer, positions, skipkey.query_positions)
     scoring = skipkey.contribution is not None and layer.scored
     if scoring and query.shape[2] == 1:
-        return _attend_and_score(layer, module.layer_idx, query, key, value, scale, positions, mask, skipkey), None
+        return _attend_and_score(layer, module.layer_idx, query, key, value, scale, positions, skipkey), None
+    mask = _mask_for_output(layer, positions, skipkey.query_positions)
     out, _ = sdpa_attention_forward(module, query, key, value, _expand_heads(mask, query.shape[1]), dropout=0.0,
                                     scaling=scaling, **kwargs)
     if scoring:

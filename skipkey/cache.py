@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from skipkey import kernels
+
 EMPTY = -1
+_NONE = torch.empty(0)  # "no scores" for the fused kernel
 
 
 class LayerCache:
@@ -107,19 +110,28 @@ class LayerCache:
             slot = self.free_slot if self.free_slot is not None else \
                 self.positions.argmin(dim=-1, keepdim=True)  # [B, Hp, 1]: EMPTY (capacity keeps one)
             self.free_slot = None
-            b, hkv, capacity, d = self.keys.shape
-            # One slot per row and KV head. index_put_, not scatter_: CPU scatter_ copies a whole
-            # bfloat16 tensor (250 us for a 2 MB layer), which is what this storage exists to avoid.
-            heads = torch.arange(b * hkv, device=slot.device)
-            where = (heads, slot.expand(b, hkv, 1).reshape(-1))
-            self.keys.view(b * hkv, capacity, d).index_put_(where, keys.reshape(b * hkv, d))
-            self.values.view(b * hkv, capacity, d).index_put_(where, values.reshape(b * hkv, d))
-            self.positions.scatter_(-1, slot, positions[:, None, :].expand_as(slot))
-            if self.scores is not None:
-                self.scores.scatter_(-1, slot.expand(b, self.scores.shape[1], 1), 0.0)
+            fused = kernels.for_tensors(self.keys)
+            if fused is not None:  # the writes below in one C++ call
+                fused.write_slot(self.keys, self.values, self.positions,
+                                 self.scores if self.scores is not None else _NONE, slot, keys, values,
+                                 positions.reshape(-1))
+            else:
+                self._write_slot(slot, keys, values, positions)
         self.held += 1
         self.full_from += 1
         self.dense = self.full_from >= self.used
+
+    def _write_slot(self, slot, keys, values, positions):
+        """One slot per row and KV head. index_put_, not scatter_: CPU scatter_ copies a whole bfloat16
+        tensor (250 us for a 2 MB layer), which is what this storage exists to avoid."""
+        b, hkv, capacity, d = self.keys.shape
+        heads = torch.arange(b * hkv, device=slot.device)
+        where = (heads, slot.expand(b, hkv, 1).reshape(-1))
+        self.keys.view(b * hkv, capacity, d).index_put_(where, keys.reshape(b * hkv, d))
+        self.values.view(b * hkv, capacity, d).index_put_(where, values.reshape(b * hkv, d))
+        self.positions.scatter_(-1, slot, positions[:, None, :].expand_as(slot))
+        if self.scores is not None:
+            self.scores.scatter_(-1, slot.expand(b, self.scores.shape[1], 1), 0.0)
 
     def _append(self, keys, values, positions, dense):
         q = keys.shape[2]

@@ -208,11 +208,8 @@ class Engine:
         dense = query_positions.shape[1] == 1 or bool((query_positions >= 0).all())
         if kv is None or not kv.needs_scores or (step > 0 and not kv.scores_while_decoding):
             return StepState(cache=cache, query_positions=query_positions, dense=dense)
-
-        def contribution(logits, where, probs=None):
-            return kv.contribution(logits, step, total_steps, where, probs)
-
-        return StepState(cache=cache, query_positions=query_positions, dense=dense, contribution=contribution,
+        return StepState(cache=cache, query_positions=query_positions, dense=dense,
+                         contribution=kv.score_contribution(step, total_steps),
                          accumulate=kv.accumulates, observe=kv.prompt_observe if step == 0 else 0,
                          position_limit=position_limit)
 

@@ -166,7 +166,7 @@ def test_bad_policy_parameters_are_refused(kwargs, message):
 
 def test_gumbel_noise_is_gumbel_and_keyed_by_position():
     from skipkey.attention import NoiseIndex
-    from skipkey.kv_policies import gumbel_noise
+    from skipkey.noise import gumbel_noise
 
     where = NoiseIndex(3, torch.arange(200)[None], torch.arange(300)[None, None])
     g = gumbel_noise(7, where, (1, 2, 2, 200, 300))
@@ -212,8 +212,7 @@ def test_prefill_scores_are_the_same_in_any_chunking(monkeypatch, window):
         monkeypatch.setattr(attention, "SCORE_CHUNK", chunk)
         layer = LayerCache(window)
         layer.write(key, key, qpos, dense=False)
-        attention.accumulate_scores(layer, 3, query, key, d ** -0.5, qpos,
-                                    lambda logits, where: policy.contribution(logits, 0, 10, where))
+        attention.accumulate_scores(layer, 3, query, key, d ** -0.5, qpos, policy.score_contribution(0, 10))
         return layer.scores
 
     # A sliding layer keeps only its window after the prompt; chunks that see none of it are skipped.
@@ -228,7 +227,7 @@ def test_prefill_scores_are_the_same_in_any_chunking(monkeypatch, window):
 def test_gumbel_noise_is_finite_for_every_draw():
     """The extreme 24-bit draws (0 and 2**24 - 1) give finite noise: in float32 the top one used to round to
     u = 1.0, an infinite Gumbel value, a NaN softmax row, and a whole head's scores turned to NaN."""
-    from skipkey.kv_policies import _gumbel_from_bits
+    from skipkey.noise import _gumbel_from_bits
 
     bits = torch.tensor([0, 1, 2**23, 2**24 - 2, 2**24 - 1], dtype=torch.int64)
     noise = _gumbel_from_bits(bits)
@@ -250,7 +249,7 @@ def test_keyformer_scores_stay_finite_on_a_long_prompt_and_every_head_keeps_its_
 def test_gumbel_noise_is_the_same_through_every_fast_path():
     """The tabulated per-query draws and the contiguous-key read give exactly the hashed noise."""
     from skipkey.attention import NoiseIndex
-    from skipkey.kv_policies import gumbel_noise
+    from skipkey.noise import gumbel_noise
 
     qpos = torch.tensor([[5, 6, 7, 8], [0, 1, 2, 3]])
     kpos = torch.stack([torch.arange(-3, 57), torch.arange(-8, 52)])[:, None, :]

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "skipkey"
 # A module may import only the modules listed before it.
 LAYERS = (
     "errors", "__init__", "config", "provenance", "prompts", "offload", "loading", "tiny",
-    "attention", "cache", "architectures", "schedules", "skipdecode", "kv_policies", "engine",
+    "kernels", "noise", "attention", "cache", "architectures", "schedules", "skipdecode", "kv_policies", "engine",
     "trace", "metrics", "figures", "teacher_forced",
     "lora", "models", "bench", "evaluate", "shapes", "finetune", "app_logic", "cli", "__main__",
 )

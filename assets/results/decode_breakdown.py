@@ -6,7 +6,8 @@ summed over the layers and averaged over decode steps (the first three steps are
 Each part is a function of ``skipkey.attention`` / ``skipkey.cache`` / ``skipkey.kv_policies`` / ``skipkey.engine``
 wrapped with a timer (a few microseconds per call), on the Llama-MHA-350M shape (random weights, bf16), one policy
 after another in one process. Parts nest: "attention" contains "write", "mask", "SDPA" or "decode attention + score",
-and that contains "score contribution", which contains "Gumbel noise". "eviction" runs after each layer.
+and that contains "score contribution", which contains "Gumbel noise" (eager path only: the fused kernel of
+``skipkey.kernels`` does both inside "decode attention + score"). "eviction" runs after each layer.
 A profile, not a benchmark: the speed ratios are bench's (lockstep); read this for where a step's milliseconds go.
 """
 
@@ -26,7 +27,6 @@ import torch  # noqa: E402
 import skipkey.attention as attention  # noqa: E402
 import skipkey.cache as cache  # noqa: E402
 import skipkey.engine as engine_module  # noqa: E402
-import skipkey.kv_policies as kv_policies  # noqa: E402
 from skipkey.config import GenerationSettings  # noqa: E402
 from skipkey.kv_policies import make_kv_policy, parse_policy_spec  # noqa: E402
 from skipkey.models import load  # noqa: E402
@@ -55,8 +55,8 @@ def timed(owner, name: str, label: str) -> None:
 PARTS = [(attention, "skipkey_attention", "attention"), (cache.LayerCache, "write", "write"),
          (attention, "_mask_for_output", "mask"), (attention, "sdpa_attention_forward", "SDPA"),
          (attention, "_attend_and_score", "decode attention + score"),
-         (kv_policies.KeyformerPolicy, "contribution", "score contribution"),
-         (kv_policies, "gumbel_noise", "Gumbel noise"), (engine_module._Retention, "after", "eviction")]
+         (attention.ScoreContribution, "__call__", "score contribution"),
+         (attention, "gumbel_noise", "Gumbel noise"), (engine_module._Retention, "after", "eviction")]
 
 
 def main() -> None:

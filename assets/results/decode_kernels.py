@@ -19,8 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from skipkey import kernels  # noqa: E402
 from skipkey.attention import NoiseIndex  # noqa: E402
-from skipkey.kv_policies import gumbel_noise  # noqa: E402
+from skipkey.noise import gumbel_noise  # noqa: E402
 from skipkey.provenance import machine_description  # noqa: E402
 
 LAYERS, HEADS, SLOTS, FULL_SLOTS, DIM = 24, 16, 1025, 2049, 64
@@ -71,10 +72,20 @@ def main() -> None:
     def noise(i):
         gumbel_noise(0, where, (1, HEADS, 1, 1, SLOTS))
 
+    fused = kernels.for_tensors(keys[0])
+    qpos, scores = torch.tensor([2100]), torch.zeros(1, HEADS, SLOTS)
+    none, no_start = torch.empty(0), torch.empty(0, dtype=torch.long)
+
+    def fused_scoring(i):  # the same, fused (skipkey.kernels.attend_score, H2O's contribution)
+        fused.attend_score(query, 1.0, keys[i], values[i], positions, qpos, 0, True, scores, True, none, no_start,
+                           8192, 1.0)
+
     print(f"# {' '.join(sys.argv)}\n# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{machine_description(torch.device('cpu'))}\n# microseconds per layer and decode step, batch 1")
     for name, fn in [("SDPA over 2049 slots (full model)", sdpa_full), ("SDPA over 1025 slots", sdpa),
-                     ("scoring attention over 1025 slots", scoring), ("Keyformer noise for 1025 slots", noise)]:
+                     ("scoring attention over 1025 slots", scoring),
+                     *([("fused scoring attention, 1025 slots", fused_scoring)] if fused else []),
+                     ("Keyformer noise for 1025 slots", noise)]:
         print(f"{name:<36} cold {per_call_us(fn, between=stream_weights):8.1f}   warm {per_call_us(fn, layers=1, rounds=200):8.1f}",
               flush=True)
 

@@ -1,0 +1,397 @@
+// SkipKey's fused CPU kernels for one decode step of an evicting layer.
+//
+// Eager PyTorch spends a decode step of an evicting layer in a dozen small calls
+// (10-40 us each on a small CPU) and reads the cache at about 60% of SDPA's speed
+// when it also needs the attention weights. These three kernels do the same work
+// in one call each, reading every key and value once:
+//
+//   attend_score      the attention output for one query per row *and* the score
+//                     contribution softmax((logits + Gumbel noise) / tau), added to
+//                     (or written over) the layer's scores in place;
+//   write_slot        the new token's key, value and position into the slot eviction
+//                     freed, per row and KV head, and its score reset;
+//   lowest_unprotected  per row and head, the lowest-priority slot outside the recent
+//                     window (the next victim).
+//
+// Semantics are those of skipkey/attention.py and skipkey/kv_policies.py's eager
+// code, which stays the reference (tests compare the two). Rows and heads are
+// independent, so a row evicts the same tokens alone or batched.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline void narrow(float& dst, float x) { dst = x; }
+inline void narrow(c10::BFloat16& dst, float x) { dst = c10::BFloat16(x); }
+
+// exp(x) for x <= 0 as plain arithmetic, so the loops that call it vectorise:
+// Cephes' expf polynomial on the reduced argument, scaled by 2^n through the
+// exponent bits. Relative error about 2e-7; exp(-87) and below round to 2^-125.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// In place: row <- softmax(row); entries of -inf (masked keys) become exactly 0.
+void softmax_row(float* row, int64_t n) {
+  float top = kNegInf;
+  for (int64_t s = 0; s < n; ++s) top = std::max(top, row[s]);
+  if (top == kNegInf) {  // no visible key (a decode query always sees itself, so never in practice)
+    std::fill(row, row + n, 0.0f);
+    return;
+  }
+  float sum = 0.0f;
+  for (int64_t s = 0; s < n; ++s) {
+    const float x = row[s];
+    const float e = exp_nonpositive(x - top);
+    row[s] = x == kNegInf ? 0.0f : e;
+    sum += row[s];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t s = 0; s < n; ++s) row[s] *= inv;
+}
+
+#if defined(__AVX512F__)
+// 16 lanes of float32 from 16 floats, or from 16 bfloat16s (their bits are a float32's top half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#endif
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  int64_t i = 0;
+  float acc = 0.0f;
+#if defined(__AVX512F__)
+  __m512 sum = _mm512_setzero_ps();
+  for (; i + 16 <= d; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), sum);
+  acc = _mm512_reduce_add_ps(sum);
+#endif
+  for (; i < d; ++i) acc += q[i] * widen(k[i]);
+  return acc;
+}
+
+// acc[0, d) = sum over s of w[s] * v[s * stride : + d): each value row read once, the sums kept in registers.
+template <typename T>
+void weighted_rows(float* acc, const float* w, const T* v, int64_t rows, int64_t stride, int64_t d) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 64 <= d; i += 64) {  // 64 dimensions at a time: four registers
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t s = 0; s < rows; ++s) {
+      if (w[s] == 0.0f) continue;
+      const __m512 weight = _mm512_set1_ps(w[s]);
+      const T* row = v + s * stride + i;
+      a0 = _mm512_fmadd_ps(weight, load16(row), a0);
+      a1 = _mm512_fmadd_ps(weight, load16(row + 16), a1);
+      a2 = _mm512_fmadd_ps(weight, load16(row + 32), a2);
+      a3 = _mm512_fmadd_ps(weight, load16(row + 48), a3);
+    }
+    _mm512_storeu_ps(acc + i, a0);
+    _mm512_storeu_ps(acc + i + 16, a1);
+    _mm512_storeu_ps(acc + i + 32, a2);
+    _mm512_storeu_ps(acc + i + 48, a3);
+  }
+#endif
+  for (; i < d; ++i) {
+    float sum = 0.0f;
+    for (int64_t s = 0; s < rows; ++s) sum += w[s] * widen(v[s * stride + i]);
+    acc[i] = sum;
+  }
+}
+
+template <typename T>
+void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                       const at::Tensor& query_positions, int64_t window, bool masked, at::Tensor& scores,
+                       bool accumulate, const at::Tensor& noise_table, const at::Tensor& noise_start,
+                       int64_t noise_cols, double tau, at::Tensor& out) {
+  const int64_t rows = k.size(0), heads = k.size(1), slots = k.size(2), dim = k.size(3);
+  const int64_t groups = q.size(1) / heads;
+  const int64_t pos_heads = positions.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const int64_t q_strides[2] = {q.stride(0), q.stride(1)};
+  const float scale_f = static_cast<float>(scale);
+  const T* k_ptr = k.data_ptr<T>();
+  const T* v_ptr = v.data_ptr<T>();
+  const int64_t* pos_ptr = positions.data_ptr<int64_t>();
+  const int64_t* qpos_ptr = query_positions.data_ptr<int64_t>();
+  float* score_ptr = scores.data_ptr<float>();
+  T* out_ptr = out.data_ptr<T>();
+  const bool noisy = noise_table.numel() > 0;
+  const float* table = noisy ? noise_table.data_ptr<float>() : nullptr;
+  const int64_t* start_ptr = noisy ? noise_start.data_ptr<int64_t>() : nullptr;
+  const bool plain = !noisy && tau == 1.0;  // the contribution is the attention weights themselves
+  const float tau_f = static_cast<float>(tau);
+  const int64_t col_mask = noise_cols - 1;
+  // Strides read once: Tensor::stride is a call, too slow for the inner loops.
+  const int64_t k_strides[3] = {k.stride(0), k.stride(1), k.stride(2)}, k_row = k_strides[2];
+  const int64_t v_strides[3] = {v.stride(0), v.stride(1), v.stride(2)}, v_row = v_strides[2];
+  const int64_t pos_strides[2] = {positions.stride(0), positions.stride(1)};
+  const int64_t score_strides[2] = {scores.stride(0), scores.stride(1)};
+
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(groups * slots), shaped(plain ? 0 : slots), added(slots), acc(groups * dim);
+    std::vector<float> qf(groups * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / heads, h = task % heads;
+      for (int64_t g = 0; g < groups; ++g)  // this KV head's query heads, scaled, in float32
+        for (int64_t i = 0; i < dim; ++i)
+          qf[g * dim + i] = widen(q_ptr[b * q_strides[0] + (h * groups + g) * q_strides[1] + i]) * scale_f;
+      const float* qb = qf.data();
+      const T* kb = k_ptr + b * k_strides[0] + h * k_strides[1];
+      const T* vb = v_ptr + b * v_strides[0] + h * v_strides[1];
+      const int64_t* pb = pos_ptr + b * pos_strides[0] + (pos_heads == 1 ? 0 : h) * pos_strides[1];
+      const int64_t qpos = qpos_ptr[b];
+      // Logits, -inf where the slot holds no token this query may see (skipkey.attention.allowed_keys).
+      for (int64_t s = 0; s < slots; ++s) {
+        const int64_t p = pb[s];
+        const bool visible = !masked || (p >= 0 && p <= qpos && (window <= 0 || qpos - p < window));
+        const T* kr = kb + s * k_row;
+        for (int64_t g = 0; g < groups; ++g)
+          probs[g * slots + s] = visible ? dot(qb + g * dim, kr, dim) : kNegInf;
+      }
+      std::fill(added.begin(), added.end(), 0.0f);
+      for (int64_t g = 0; g < groups; ++g) {
+        float* row = probs.data() + g * slots;
+        if (!plain) {  // Keyformer: softmax((logits + noise) / tau), from the logits before they are softmaxed
+          const int64_t start = noisy ? start_ptr[(b * heads + h) * groups + g] : 0;
+          for (int64_t s = 0; s < slots; ++s) {
+            const float noise = noisy ? table[start + (pb[s] & col_mask)] : 0.0f;
+            shaped[s] = (row[s] + noise) / tau_f;
+          }
+          softmax_row(shaped.data(), slots);
+          for (int64_t s = 0; s < slots; ++s) added[s] += shaped[s];
+        }
+        softmax_row(row, slots);
+        if (plain)
+          for (int64_t s = 0; s < slots; ++s) added[s] += row[s];
+      }
+      // Output: the weights times the values.
+      for (int64_t g = 0; g < groups; ++g) weighted_rows(acc.data() + g * dim, probs.data() + g * slots, vb, slots, v_row, dim);
+      T* ob = out_ptr + (b * heads + h) * groups * dim;
+      for (int64_t i = 0; i < groups * dim; ++i) narrow(ob[i], acc[i]);
+      float* sb = score_ptr + b * score_strides[0] + h * score_strides[1];
+      if (accumulate)
+        for (int64_t s = 0; s < slots; ++s) sb[s] += added[s];
+      else
+        for (int64_t s = 0; s < slots; ++s) sb[s] = added[s];
+    }
+  });
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+}  // namespace
+
+// q [B, Hq, 1, D] (Hq = G * Hkv query heads, KV head h serving query heads h*G .. h*G+G-1), scaled here by
+// scale; q, k, v float32 or bfloat16 (one dtype) with unit stride along D; k, v [B, Hkv, S, D]; positions [B, 1 or Hkv, S] int64 (unit stride along S); query_positions [B] int64;
+// scores [B, Hkv, S] float32 (unit stride along S), updated in place; noise_table (flat float32, empty for
+// none) and noise_start [B, Hkv, G] int64: a key at position p draws table[start + (p & (noise_cols - 1))].
+// Returns the attention output [B, Hkv, G, D] in v's dtype.
+at::Tensor attend_score(const at::Tensor& q, double scale, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                        const at::Tensor& query_positions, int64_t window, bool masked, at::Tensor scores,
+                        bool accumulate, const at::Tensor& noise_table, const at::Tensor& noise_start,
+                        int64_t noise_cols, double tau) {
+  for (const at::Tensor* t : {&q, &k, &v, &positions, &query_positions, static_cast<const at::Tensor*>(&scores)})
+    check_cpu(*t, "every input");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v: one dtype");
+  TORCH_CHECK(q.size(2) == 1 && q.stride(3) == 1 && q.size(1) % k.size(1) == 0,
+              "q must be [B, G * Hkv, 1, D] with unit stride in D");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.stride(3) == 1 && v.stride(3) == 1, "k, v: same shape, unit stride in D");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "q does not match k");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 3 && positions.stride(2) == 1 &&
+                  positions.size(0) == k.size(0) && positions.size(2) == k.size(2) &&
+                  (positions.size(1) == 1 || positions.size(1) == k.size(1)),
+              "positions must be int64 [B, 1 or Hkv, S] with unit stride in S");
+  TORCH_CHECK(query_positions.scalar_type() == at::kLong && query_positions.is_contiguous() &&
+                  query_positions.numel() == k.size(0), "query_positions must be int64 [B]");
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 3 && scores.stride(2) == 1 &&
+                  scores.size(0) == k.size(0) && scores.size(1) == k.size(1) && scores.size(2) == k.size(2),
+              "scores must be float32 [B, Hkv, S] with unit stride in S");
+  if (noise_table.numel() > 0) {
+    TORCH_CHECK(noise_table.scalar_type() == at::kFloat && noise_table.is_contiguous(), "noise_table: float32");
+    TORCH_CHECK(noise_start.scalar_type() == at::kLong && noise_start.is_contiguous() &&
+                    noise_start.numel() == q.size(0) * q.size(1), "noise_start must be int64 [B, Hkv, G]");
+    TORCH_CHECK(noise_cols > 0 && (noise_cols & (noise_cols - 1)) == 0, "noise_cols must be a power of two");
+  }
+  TORCH_CHECK(tau > 0, "tau must be positive");
+  auto out = at::empty({k.size(0), k.size(1), q.size(1) / k.size(1), k.size(3)}, v.options());
+  if (k.scalar_type() == at::kBFloat16) {
+    attend_score_impl<c10::BFloat16>(q, scale, k, v, positions, query_positions, window, masked, scores, accumulate,
+                                     noise_table, noise_start, noise_cols, tau, out);
+  } else {
+    TORCH_CHECK(k.scalar_type() == at::kFloat, "k and v must be float32 or bfloat16");
+    attend_score_impl<float>(q, scale, k, v, positions, query_positions, window, masked, scores, accumulate, noise_table,
+                             noise_start, noise_cols, tau, out);
+  }
+  return out;
+}
+
+// keys, values [B, Hkv, C, D] (contiguous storage); positions [B, Hp, C] int64; scores [B, Hs, C] float32 or
+// empty; slot [B, Hp, 1] int64; new_keys, new_values [B, Hkv, 1, D]; new_positions [B] int64. Hp and Hs are
+// 1 or Hkv: slot[b, min(h, Hp - 1)] is the slot KV head h writes.
+void write_slot(at::Tensor keys, at::Tensor values, at::Tensor positions, at::Tensor scores, const at::Tensor& slot,
+                const at::Tensor& new_keys, const at::Tensor& new_values, const at::Tensor& new_positions) {
+  for (const at::Tensor* t : {&slot, &new_keys, &new_values, &new_positions}) check_cpu(*t, "every input");
+  for (const at::Tensor* t : {&keys, &values, &positions}) check_cpu(*t, "every input");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && positions.is_contiguous(), "storage must be contiguous");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type() && new_keys.scalar_type() == keys.scalar_type() &&
+                  new_values.scalar_type() == keys.scalar_type(), "keys and values must share a dtype");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  const int64_t rows = keys.size(0), heads = keys.size(1), capacity = keys.size(2), dim = keys.size(3);
+  const int64_t pos_heads = positions.size(1);
+  TORCH_CHECK(slot.scalar_type() == at::kLong && slot.is_contiguous() && slot.size(0) == rows &&
+                  slot.size(1) == pos_heads, "slot must be int64 [B, Hp, 1]");
+  TORCH_CHECK(new_positions.scalar_type() == at::kLong && new_positions.is_contiguous() &&
+                  new_positions.numel() == rows, "new_positions must be int64 [B]");
+  TORCH_CHECK(new_keys.stride(3) == 1 && new_values.stride(3) == 1, "new keys/values: unit stride in D");
+  const bool has_scores = scores.numel() > 0;
+  if (has_scores)
+    TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.size(2) == capacity,
+                "scores must be contiguous float32 [B, Hs, C]");
+  const int64_t* slot_ptr = slot.data_ptr<int64_t>();
+  const int64_t* newpos = new_positions.data_ptr<int64_t>();
+  const int64_t width = dim * keys.element_size();
+  auto* kp = static_cast<char*>(keys.data_ptr());
+  auto* vp = static_cast<char*>(values.data_ptr());
+  const auto* nk = static_cast<const char*>(new_keys.data_ptr());
+  const auto* nv = static_cast<const char*>(new_values.data_ptr());
+  const int64_t item = keys.element_size();
+  int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows * pos_heads; ++i)  // checked before anything is written
+    TORCH_CHECK(slot_ptr[i] >= 0 && slot_ptr[i] < capacity, "slot out of range");
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t s = slot_ptr[b * pos_heads + (pos_heads == 1 ? 0 : h)];
+      const int64_t dst = ((b * heads + h) * capacity + s) * dim * item;
+      std::memcpy(kp + dst, nk + (b * new_keys.stride(0) + h * new_keys.stride(1)) * item, width);
+      std::memcpy(vp + dst, nv + (b * new_values.stride(0) + h * new_values.stride(1)) * item, width);
+    }
+    for (int64_t h = 0; h < pos_heads; ++h) pp[(b * pos_heads + h) * capacity + slot_ptr[b * pos_heads + h]] = newpos[b];
+    if (has_scores) {
+      float* sp = scores.data_ptr<float>();
+      const int64_t score_heads = scores.size(1);
+      for (int64_t h = 0; h < score_heads; ++h)
+        sp[(b * score_heads + h) * capacity + slot_ptr[b * pos_heads + (pos_heads == 1 ? 0 : h)]] = 0.0f;
+    }
+  }
+}
+
+// The first slot of lowest priority, slots whose position is at or past ``line`` ranking as float32's max.
+int64_t lowest_in_row(const float* priority, const int64_t* positions, int64_t slots, int64_t line) {
+  const float protected_value = std::numeric_limits<float>::max();
+  float best_value = std::numeric_limits<float>::infinity();
+  int64_t best = 0, s = 0;
+#if defined(__AVX512F__)
+  if (slots >= 16) {  // per lane: its lowest value and first slot holding it; then the lowest lane, first slot
+    const __m512i limit = _mm512_set1_epi64(line);
+    const __m512 protect = _mm512_set1_ps(protected_value);
+    __m512 lowest = _mm512_set1_ps(best_value);
+    __m512i where = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    for (; s + 16 <= slots; s += 16) {
+      const __mmask8 lo = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(positions + s), limit);
+      const __mmask8 hi = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(positions + s + 8), limit);
+      const __m512 value = _mm512_mask_mov_ps(_mm512_loadu_ps(priority + s), static_cast<__mmask16>(lo | (hi << 8)), protect);
+      const __mmask16 lower = _mm512_cmp_ps_mask(value, lowest, _CMP_LT_OQ);
+      lowest = _mm512_mask_mov_ps(lowest, lower, value);
+      where = _mm512_mask_mov_epi32(where, lower, index);
+      index = _mm512_add_epi32(index, step);
+    }
+    alignas(64) float values[16];
+    alignas(64) int32_t slots_at[16];
+    _mm512_store_ps(values, lowest);
+    _mm512_store_si512(slots_at, where);
+    for (int i = 0; i < 16; ++i)
+      if (values[i] < best_value || (values[i] == best_value && slots_at[i] < best)) {
+        best_value = values[i];
+        best = slots_at[i];
+      }
+  }
+#endif
+  for (; s < slots; ++s) {
+    const float value = positions[s] >= line ? protected_value : priority[s];
+    if (value < best_value) {
+      best_value = value;
+      best = s;
+    }
+  }
+  return best;
+}
+
+// priority [B, 1 or H, S] float32 and positions [B, 1 or H, S] int64 (unit stride along S);
+// next_positions, recent [B] int64. Per row and head, the first slot of lowest priority among those
+// holding a position below next - recent (slots inside the recent window rank as float32's max).
+// Returns [B, H, 1] int64, H the larger head count: what min(dim=-1).indices of the masked priority gives.
+at::Tensor lowest_unprotected(const at::Tensor& priority, const at::Tensor& positions,
+                              const at::Tensor& next_positions, const at::Tensor& recent) {
+  for (const auto* t : {&priority, &positions, &next_positions, &recent}) check_cpu(*t, "every input");
+  TORCH_CHECK(priority.scalar_type() == at::kFloat && priority.dim() == 3 && priority.stride(2) == 1,
+              "priority must be float32 [B, H, S] with unit stride in S");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 3 && positions.stride(2) == 1,
+              "positions must be int64 [B, H, S] with unit stride in S");
+  TORCH_CHECK(next_positions.scalar_type() == at::kLong && recent.scalar_type() == at::kLong &&
+                  next_positions.is_contiguous() && recent.is_contiguous(), "next_positions, recent: int64 [B]");
+  const int64_t rows = positions.size(0), slots = positions.size(2);
+  TORCH_CHECK(priority.size(0) == rows && priority.size(2) == slots, "priority does not match positions");
+  const int64_t prio_heads = priority.size(1), pos_heads = positions.size(1);
+  const int64_t heads = std::max(prio_heads, pos_heads);
+  TORCH_CHECK((prio_heads == 1 || prio_heads == heads) && (pos_heads == 1 || pos_heads == heads), "head counts");
+  auto out = at::empty({rows, heads, 1}, positions.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* pr = priority.data_ptr<float>();
+  const int64_t* ps = positions.data_ptr<int64_t>();
+  const int64_t* nx = next_positions.data_ptr<int64_t>();
+  const int64_t* rc = recent.data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t line = nx[b] - rc[b];
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* prow = pr + b * priority.stride(0) + (prio_heads == 1 ? 0 : h) * priority.stride(1);
+      const int64_t* qrow = ps + b * positions.stride(0) + (pos_heads == 1 ? 0 : h) * positions.stride(1);
+      op[b * heads + h] = lowest_in_row(prow, qrow, slots, line);
+    }
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend_score", &attend_score, "one decode query per row: attention output and score contribution");
+  m.def("write_slot", &write_slot, "write one token per row and KV head into its freed slot");
+  m.def("lowest_unprotected", &lowest_unprotected, "per row and head, the lowest-priority slot outside the recent window");
+}

@@ -1,0 +1,82 @@
+"""Fused CPU kernels for an evicting layer's decode step (``csrc/decode_step.cpp``), compiled on first use.
+
+Eager PyTorch runs an evicting layer's decode step as a dozen small calls, and its
+matmul-softmax-matmul reads the cache at about 60% of SDPA's speed on CPU
+(``assets/results/decode_kernels.txt``). Three C++ kernels do the same work in one
+call each: ``attend_score`` (attention output and score contribution from one
+read of the keys and values), ``write_slot`` and ``lowest_unprotected``.
+
+They are an optimisation only. The eager code in ``skipkey.attention``,
+``skipkey.cache`` and ``skipkey.kv_policies`` stays the reference and runs
+wherever the kernels cannot: on GPUs, for other dtypes, where no C++ compiler is
+installed (the slim Docker image), or with ``SKIPKEY_KERNELS=0``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
+SWITCH = "SKIPKEY_KERNELS"  # "0": always the eager path (for comparisons and A/B benchmarks)
+DTYPES = (torch.float32, torch.bfloat16)
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+          "-fno-signed-zeros"]
+
+log = logging.getLogger(__name__)
+
+
+_BUILDING = threading.Lock()  # one build, however many requests arrive during it
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's instruction-set flags: the build is for ``-march=native``, so a cache
+    directory shared by different machines holds one build per kind of CPU."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor() or platform.machine()
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+
+
+@functools.lru_cache(maxsize=1)
+def _built():
+    try:
+        from torch.utils.cpp_extension import load
+        return load(name=f"skipkey_decode_step_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=_FLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # no compiler, no ninja, a read-only cache: the eager path serves
+        log.warning("SkipKey's fused CPU kernels are unavailable (%s); using the eager path", error)
+        return None
+
+
+def _extension():
+    """The compiled module (built on first use, about 30 s; cached under ~/.cache/torch_extensions),
+    or ``None`` where it cannot be built (the reason is logged once)."""
+    with _BUILDING:
+        return _built()
+
+
+def build_in_background() -> threading.Thread:
+    """Start building now (the app does, at start), so the first request that needs the kernels does not wait."""
+    thread = threading.Thread(target=lambda: enabled() and _extension(), name="skipkey-kernels", daemon=True)
+    thread.start()
+    return thread
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH, "1") != "0"
+
+
+def for_tensors(*tensors: torch.Tensor):
+    """The kernels' module when they apply to ``tensors`` (CPU, float32 or bfloat16), else ``None``."""
+    if not enabled() or any(t.device.type != "cpu" for t in tensors) or tensors[0].dtype not in DTYPES:
+        return None
+    return _extension()
