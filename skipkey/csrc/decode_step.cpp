@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -66,20 +67,26 @@ inline float exp_nonpositive(float x) {
 // In place: row <- softmax(row); entries of -inf (masked keys) become exactly 0.
 void softmax_row(float* row, int64_t n) {
   float top = kNegInf;
-  for (int64_t s = 0; s < n; ++s) top = std::max(top, row[s]);
+  int64_t s = 0;
+#if defined(__AVX512F__)
+  __m512 tops = _mm512_set1_ps(kNegInf);
+  for (; s + 16 <= n; s += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(row + s));
+  top = _mm512_reduce_max_ps(tops);
+#endif
+  for (; s < n; ++s) top = std::max(top, row[s]);
   if (top == kNegInf) {  // no visible key (a decode query always sees itself, so never in practice)
     std::fill(row, row + n, 0.0f);
     return;
   }
   float sum = 0.0f;
-  for (int64_t s = 0; s < n; ++s) {
+  for (s = 0; s < n; ++s) {
     const float x = row[s];
     const float e = exp_nonpositive(x - top);
     row[s] = x == kNegInf ? 0.0f : e;
     sum += row[s];
   }
   const float inv = 1.0f / sum;
-  for (int64_t s = 0; s < n; ++s) row[s] *= inv;
+  for (s = 0; s < n; ++s) row[s] *= inv;
 }
 
 #if defined(__AVX512F__)
@@ -133,6 +140,60 @@ void weighted_rows(float* acc, const float* w, const T* v, int64_t rows, int64_t
   }
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 keys and values with AVX512-BF16: pairs of bfloat16 products summed straight into float32
+// (vdpbf16ps), with no widening of the cache. The query and the attention weights are rounded to
+// bfloat16 first, as eager attention in bfloat16 does. Head sizes a multiple of 32.
+constexpr bool kPairedBf16 = true;
+
+inline uint32_t bf16_bits(float x) { return c10::BFloat16(x).x; }
+
+inline float dot_bf16(const uint16_t* q, const c10::BFloat16* k, int64_t d) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 32)
+    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k + i));
+  return _mm512_reduce_add_ps(sum);
+}
+
+// weighted_rows for bfloat16 values, two rows at a time: interleaving rows s and s + 1 element by element
+// (unpack within 128-bit lanes) makes each float32 lane of vdpbf16ps add w[s] * v[s][i] + w[s+1] * v[s+1][i].
+// The lanes then hold dimensions in the unpack's order, put back at the end.
+void weighted_rows_bf16(float* acc, const float* w, const c10::BFloat16* v, int64_t rows, int64_t stride, int64_t d) {
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    const int chunks = d - c0 >= 64 ? 2 : 1;
+    __m512 lo[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, hi[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t s = 0; s < rows; s += 2) {
+      const bool pair = s + 1 < rows;
+      const float w0 = w[s], w1 = pair ? w[s + 1] : 0.0f;
+      if (w0 == 0.0f && w1 == 0.0f) continue;
+      const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bf16_bits(w0) | (bf16_bits(w1) << 16)));
+      const c10::BFloat16* r0 = v + s * stride + c0;
+      for (int c = 0; c < chunks; ++c) {
+        const __m512i a = _mm512_loadu_si512(r0 + 32 * c);
+        const __m512i b = pair ? _mm512_loadu_si512(r0 + stride + 32 * c) : _mm512_setzero_si512();
+        lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_unpacklo_epi16(a, b), weights);
+        hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_unpackhi_epi16(a, b), weights);
+      }
+    }
+    for (int c = 0; c < chunks; ++c) {
+      alignas(64) float low[16], high[16];
+      _mm512_store_ps(low, lo[c]);
+      _mm512_store_ps(high, hi[c]);
+      float* out = acc + c0 + 32 * c;
+      for (int j = 0; j < 16; ++j) {  // lane j: 128-bit lane j / 4, element j % 4 (low) or 4 + j % 4 (high)
+        out[8 * (j / 4) + j % 4] = low[j];
+        out[8 * (j / 4) + 4 + j % 4] = high[j];
+      }
+    }
+  }
+}
+#else
+constexpr bool kPairedBf16 = false;
+inline uint32_t bf16_bits(float) { return 0; }
+inline float dot_bf16(const uint16_t*, const c10::BFloat16*, int64_t) { return 0.0f; }
+inline void weighted_rows_bf16(float*, const float*, const c10::BFloat16*, int64_t, int64_t, int64_t) {}
+#endif
+
 template <typename T>
 void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                        const at::Tensor& query_positions, int64_t window, bool masked, at::Tensor& scores,
@@ -156,6 +217,7 @@ void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, c
   const bool plain = !noisy && tau == 1.0;  // the contribution is the attention weights themselves
   const float tau_f = static_cast<float>(tau);
   const int64_t col_mask = noise_cols - 1;
+  const bool paired = kPairedBf16 && std::is_same_v<T, c10::BFloat16> && dim % 32 == 0;
   // Strides read once: Tensor::stride is a call, too slow for the inner loops.
   const int64_t k_strides[3] = {k.stride(0), k.stride(1), k.stride(2)}, k_row = k_strides[2];
   const int64_t v_strides[3] = {v.stride(0), v.stride(1), v.stride(2)}, v_row = v_strides[2];
@@ -165,11 +227,13 @@ void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, c
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(groups * slots), shaped(plain ? 0 : slots), added(slots), acc(groups * dim);
     std::vector<float> qf(groups * dim);
+    std::vector<uint16_t> q16(paired ? groups * dim : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / heads, h = task % heads;
       for (int64_t g = 0; g < groups; ++g)  // this KV head's query heads, scaled, in float32
         for (int64_t i = 0; i < dim; ++i)
           qf[g * dim + i] = widen(q_ptr[b * q_strides[0] + (h * groups + g) * q_strides[1] + i]) * scale_f;
+      for (size_t i = 0; i < q16.size(); ++i) q16[i] = static_cast<uint16_t>(bf16_bits(qf[i]));
       const float* qb = qf.data();
       const T* kb = k_ptr + b * k_strides[0] + h * k_strides[1];
       const T* vb = v_ptr + b * v_strides[0] + h * v_strides[1];
@@ -180,8 +244,14 @@ void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, c
         const int64_t p = pb[s];
         const bool visible = !masked || (p >= 0 && p <= qpos && (window <= 0 || qpos - p < window));
         const T* kr = kb + s * k_row;
-        for (int64_t g = 0; g < groups; ++g)
-          probs[g * slots + s] = visible ? dot(qb + g * dim, kr, dim) : kNegInf;
+        for (int64_t g = 0; g < groups; ++g) {
+          if (!visible)
+            probs[g * slots + s] = kNegInf;
+          else if constexpr (std::is_same_v<T, c10::BFloat16>)
+            probs[g * slots + s] = paired ? dot_bf16(q16.data() + g * dim, kr, dim) : dot(qb + g * dim, kr, dim);
+          else
+            probs[g * slots + s] = dot(qb + g * dim, kr, dim);
+        }
       }
       std::fill(added.begin(), added.end(), 0.0f);
       for (int64_t g = 0; g < groups; ++g) {
@@ -200,7 +270,15 @@ void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, c
           for (int64_t s = 0; s < slots; ++s) added[s] += row[s];
       }
       // Output: the weights times the values.
-      for (int64_t g = 0; g < groups; ++g) weighted_rows(acc.data() + g * dim, probs.data() + g * slots, vb, slots, v_row, dim);
+      for (int64_t g = 0; g < groups; ++g) {
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (paired) {
+            weighted_rows_bf16(acc.data() + g * dim, probs.data() + g * slots, vb, slots, v_row, dim);
+            continue;
+          }
+        }
+        weighted_rows(acc.data() + g * dim, probs.data() + g * slots, vb, slots, v_row, dim);
+      }
       T* ob = out_ptr + (b * heads + h) * groups * dim;
       for (int64_t i = 0; i < groups * dim; ++i) narrow(ob[i], acc[i]);
       float* sb = score_ptr + b * score_strides[0] + h * score_strides[1];
