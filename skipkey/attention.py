@@ -66,6 +66,7 @@ class StepState:
     query_positions: torch.Tensor  # [B, q], EMPTY (-1) for padding
     dense: bool = True  # no padding among the queries
     contribution: ScoreContribution | None = None  # set when the KV policy scores this step
+    start_score: torch.Tensor | None = None  # [B] float32: the score each new token starts with (None: 0)
     accumulate: bool = True  # add each step's contribution (H2O, Keyformer) or replace it (TOVA)
     observe: int = 0  # prompt scores from each row's last ``observe`` queries only (0: all)
     position_limit: int | None = None  # every query position is below this
@@ -266,7 +267,7 @@ def skipkey_attention(module, query, key, value, attention_mask, dropout: float 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if skipkey.capture is not None:
         skipkey.capture[module.layer_idx] = (query, key, value, scale)
-    key, value = layer.write(key, value, skipkey.query_positions, skipkey.dense)
+    key, value = layer.write(key, value, skipkey.query_positions, skipkey.dense, skipkey.start_score)
     positions = layer.visible_positions()
     scoring = skipkey.contribution is not None and layer.scored
     if scoring and query.shape[2] == 1:

@@ -86,8 +86,12 @@ class LayerCache:
         return self.positions[..., self.visible()]
 
     # -- writing -------------------------------------------------------------------
-    def write(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, dense: bool):
-        """Store new tokens (``positions`` [B, q], EMPTY for padding); return the keys and values to attend."""
+    def write(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, dense: bool,
+              start_score: torch.Tensor | None = None):
+        """Store new tokens (``positions`` [B, q], EMPTY for padding); return the keys and values to attend.
+
+        ``start_score`` ([B] float32) is the score each row's new token starts with (default 0).
+        """
         if self.keys is None:
             # The prompt pass: keep its tensors as they are; ``settle`` sizes the storage afterwards.
             self.keys, self.values, self.positions = keys, values, positions[:, None, :].clone()
@@ -96,16 +100,16 @@ class LayerCache:
             return keys, values
         q = keys.shape[2]
         if self.reuse and q == 1:
-            self._write_into_free_slot(keys, values, positions)
+            self._write_into_free_slot(keys, values, positions, start_score)
         else:
-            self._append(keys, values, positions, dense)
+            self._append(keys, values, positions, dense, start_score)
         view = self.visible()
         return self.keys[:, :, view], self.values[:, :, view]
 
-    def _write_into_free_slot(self, keys, values, positions):
+    def _write_into_free_slot(self, keys, values, positions, start_score):
         """Evicting layers: the next unused slot while there is one, else a slot eviction freed."""
         if self.used < self.capacity:
-            self._store_next(keys, values, positions)
+            self._store_next(keys, values, positions, start_score)
         else:
             slot = self.free_slot if self.free_slot is not None else \
                 self.positions.argmin(dim=-1, keepdim=True)  # [B, Hp, 1]: EMPTY (capacity keeps one)
@@ -114,14 +118,14 @@ class LayerCache:
             if fused is not None:  # the writes below in one C++ call
                 fused.write_slot(self.keys, self.values, self.positions,
                                  self.scores if self.scores is not None else _NONE, slot, keys, values,
-                                 positions.reshape(-1))
+                                 positions.reshape(-1), start_score if start_score is not None else _NONE)
             else:
-                self._write_slot(slot, keys, values, positions)
+                self._write_slot(slot, keys, values, positions, start_score)
         self.held += 1
         self.full_from += 1
         self.dense = self.full_from >= self.used
 
-    def _write_slot(self, slot, keys, values, positions):
+    def _write_slot(self, slot, keys, values, positions, start_score=None):
         """One slot per row and KV head. index_put_, not scatter_: CPU scatter_ copies a whole bfloat16
         tensor (250 us for a 2 MB layer), which is what this storage exists to avoid."""
         b, hkv, capacity, d = self.keys.shape
@@ -131,24 +135,28 @@ class LayerCache:
         self.values.view(b * hkv, capacity, d).index_put_(where, values.reshape(b * hkv, d))
         self.positions.scatter_(-1, slot, positions[:, None, :].expand_as(slot))
         if self.scores is not None:
-            self.scores.scatter_(-1, slot.expand(b, self.scores.shape[1], 1), 0.0)
+            where = slot.expand(b, self.scores.shape[1], 1)
+            if start_score is None:
+                self.scores.scatter_(-1, where, 0.0)
+            else:
+                self.scores.scatter_(-1, where, start_score[:, None, None].expand(where.shape).to(self.scores.dtype))
 
-    def _append(self, keys, values, positions, dense):
+    def _append(self, keys, values, positions, dense, start_score=None):
         q = keys.shape[2]
         if self.used + q > self.capacity:
             self._make_room(q)
-        self._store_next(keys, values, positions)
+        self._store_next(keys, values, positions, start_score)
         self.held += q
         self.dense = self.dense and dense
 
-    def _store_next(self, keys, values, positions):
+    def _store_next(self, keys, values, positions, start_score=None):
         """Write ``q`` new tokens into the next unused slots (a slice assignment: no copy of the cache)."""
         end = self.used + keys.shape[2]
         self.keys[:, :, self.used:end] = keys
         self.values[:, :, self.used:end] = values
         self.positions[:, :, self.used:end] = positions[:, None, :]
         if self.scores is not None:
-            self.scores[:, :, self.used:end] = 0.0
+            self.scores[:, :, self.used:end] = 0.0 if start_score is None else start_score[:, None, None]
         self.used = end
 
     def _make_room(self, q: int):

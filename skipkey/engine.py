@@ -206,9 +206,12 @@ class Engine:
         """What the attention function needs for one forward: the cache, the positions, the KV scoring."""
         kv = self.kv
         dense = query_positions.shape[1] == 1 or bool((query_positions >= 0).all())
-        if kv is None or not kv.needs_scores or (step > 0 and not kv.scores_while_decoding):
+        if kv is None or not kv.needs_scores:
             return StepState(cache=cache, query_positions=query_positions, dense=dense)
-        return StepState(cache=cache, query_positions=query_positions, dense=dense,
+        start = kv.start_score(step, query_positions)
+        if step > 0 and not kv.scores_while_decoding:
+            return StepState(cache=cache, query_positions=query_positions, dense=dense, start_score=start)
+        return StepState(cache=cache, query_positions=query_positions, dense=dense, start_score=start,
                          contribution=kv.score_contribution(step, total_steps),
                          accumulate=kv.accumulates, observe=kv.prompt_observe if step == 0 else 0,
                          position_limit=position_limit)
@@ -340,7 +343,8 @@ class _OnDevices:
         if found is None:
             state, next_positions, valid = next(iter(self.copies.values()))
             found = self.copies[device] = (
-                dataclasses.replace(state, query_positions=state.query_positions.to(device)),
+                dataclasses.replace(state, query_positions=state.query_positions.to(device),
+                                    start_score=None if state.start_score is None else state.start_score.to(device)),
                 next_positions.to(device), None if valid is None else valid.to(device))
         return found
 

@@ -117,6 +117,10 @@ class KVPolicy:
         """[B, 1 or Hkv, S]: higher is kept first (the recent window is always kept)."""
         raise NotImplementedError
 
+    def start_score(self, step: int, positions: torch.Tensor) -> torch.Tensor | None:
+        """The score a token written at decode ``step`` starts with, per row (``positions`` [B, 1]); None: 0."""
+        return None
+
     def score_contribution(self, step: int, total_steps: int) -> ScoreContribution:
         """What each query adds to the scores at ``step`` (scoring policies): by default its attention weights."""
         return ScoreContribution()
@@ -364,11 +368,13 @@ class SnapKVPolicy(KVPolicy):
         if self.pool > 1 and layer.scores is not None:
             layer.scores = _max_pool(layer.scores, self.pool)
 
+    def start_score(self, step, positions):
+        # Prompt tokens rank by their observed score (>= 0) above every generated token; among generated
+        # tokens the newer ones rank higher. Decode steps add nothing, so a generated token keeps this.
+        return None if step == 0 else -1.0 / (2.0 + positions[:, 0].float())
+
     def priority(self, layer, next_positions, budgets):
-        prompt = layer.positions < budgets.prompt_lengths[:, None, None]
-        # Prompt tokens by their observed score (>= 0) above every generated token; among
-        # generated tokens the newer ones rank higher.
-        return torch.where(prompt, layer.scores, -1.0 / (2.0 + layer.positions.float()))
+        return layer.scores
 
 
 KV_POLICIES: dict[str, type[KVPolicy]] = {

@@ -137,7 +137,8 @@ def test_lowest_unprotected_is_the_masked_minimum(heads, slots, levels, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pos_heads", [1, 3])
-def test_write_slot_writes_what_index_put_writes(fused, dtype, pos_heads):
+@pytest.mark.parametrize("started", [False, True])  # new tokens' scores: 0, or a policy's start score (SnapKV)
+def test_write_slot_writes_what_index_put_writes(fused, dtype, pos_heads, started):
     torch.manual_seed(2)
     b, h, capacity, d = 2, 3, 9, 4
     storage = [torch.randn(b, h, capacity, d).to(dtype) for _ in range(2)]
@@ -147,10 +148,11 @@ def test_write_slot_writes_what_index_put_writes(fused, dtype, pos_heads):
     new_keys, new_values = torch.randn(b, h, 1, d).to(dtype), torch.randn(b, h, 1, d).to(dtype)
     new_positions = torch.tensor([[60], [61]])
     eager = _layer(storage[0].clone(), storage[1].clone(), positions.clone(), scores.clone())
-    eager._write_slot(slot, new_keys, new_values, new_positions)
+    start = torch.tensor([-0.25, -0.5]) if started else None
+    eager._write_slot(slot, new_keys, new_values, new_positions, start)
     fast = _layer(storage[0].clone(), storage[1].clone(), positions.clone(), scores.clone())
     fused.write_slot(fast.keys, fast.values, fast.positions, fast.scores, slot, new_keys, new_values,
-                     new_positions.reshape(-1))
+                     new_positions.reshape(-1), start if started else torch.empty(0))
     for name in ("keys", "values", "positions", "scores"):
         assert torch.equal(getattr(fast, name), getattr(eager, name)), name
 
@@ -159,7 +161,8 @@ def test_bad_inputs_are_refused_not_written(fused):
     keys = torch.zeros(1, 2, 4, 8)
     with pytest.raises(RuntimeError, match="slot out of range"):
         fused.write_slot(keys, keys.clone(), torch.zeros(1, 1, 4, dtype=torch.long), torch.empty(0),
-                         torch.tensor([[[4]]]), torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8), torch.tensor([5]))
+                         torch.tensor([[[4]]]), torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8), torch.tensor([5]),
+                         torch.empty(0))
     with pytest.raises(RuntimeError, match="one dtype"):
         fused.attend_score(torch.zeros(1, 2, 1, 8, dtype=torch.bfloat16), 1.0, keys, keys, torch.zeros(1, 1, 4, dtype=torch.long),
                            torch.tensor([3]), 0, False, torch.zeros(1, 2, 4), True, torch.empty(0),

@@ -342,10 +342,12 @@ at::Tensor attend_score(const at::Tensor& q, double scale, const at::Tensor& k, 
 }
 
 // keys, values [B, Hkv, C, D] (contiguous storage); positions [B, Hp, C] int64; scores [B, Hs, C] float32 or
-// empty; slot [B, Hp, 1] int64; new_keys, new_values [B, Hkv, 1, D]; new_positions [B] int64. Hp and Hs are
-// 1 or Hkv: slot[b, min(h, Hp - 1)] is the slot KV head h writes.
+// empty; slot [B, Hp, 1] int64; new_keys, new_values [B, Hkv, 1, D]; new_positions [B] int64; start_scores [B]
+// float32 (each new token's score) or empty (0). Hp and Hs are 1 or Hkv: slot[b, min(h, Hp - 1)] is the slot
+// KV head h writes.
 void write_slot(at::Tensor keys, at::Tensor values, at::Tensor positions, at::Tensor scores, const at::Tensor& slot,
-                const at::Tensor& new_keys, const at::Tensor& new_values, const at::Tensor& new_positions) {
+                const at::Tensor& new_keys, const at::Tensor& new_values, const at::Tensor& new_positions,
+                const at::Tensor& start_scores) {
   for (const at::Tensor* t : {&slot, &new_keys, &new_values, &new_positions}) check_cpu(*t, "every input");
   for (const at::Tensor* t : {&keys, &values, &positions}) check_cpu(*t, "every input");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && positions.is_contiguous(), "storage must be contiguous");
@@ -360,6 +362,9 @@ void write_slot(at::Tensor keys, at::Tensor values, at::Tensor positions, at::Te
                   new_positions.numel() == rows, "new_positions must be int64 [B]");
   TORCH_CHECK(new_keys.stride(3) == 1 && new_values.stride(3) == 1, "new keys/values: unit stride in D");
   const bool has_scores = scores.numel() > 0;
+  const bool has_start = start_scores.numel() > 0;
+  TORCH_CHECK(!has_start || (start_scores.scalar_type() == at::kFloat && start_scores.is_contiguous() &&
+                             start_scores.numel() == rows), "start_scores must be float32 [B]");
   if (has_scores)
     TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.size(2) == capacity,
                 "scores must be contiguous float32 [B, Hs, C]");
@@ -386,7 +391,8 @@ void write_slot(at::Tensor keys, at::Tensor values, at::Tensor positions, at::Te
       float* sp = scores.data_ptr<float>();
       const int64_t score_heads = scores.size(1);
       for (int64_t h = 0; h < score_heads; ++h)
-        sp[(b * score_heads + h) * capacity + slot_ptr[b * pos_heads + (pos_heads == 1 ? 0 : h)]] = 0.0f;
+        sp[(b * score_heads + h) * capacity + slot_ptr[b * pos_heads + (pos_heads == 1 ? 0 : h)]] =
+            has_start ? start_scores.data_ptr<float>()[b] : 0.0f;
     }
   }
 }
