@@ -126,6 +126,9 @@ def _expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | N
     return mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
 
 
+_NO_NOISE = (torch.empty(0), torch.empty(0, dtype=torch.long))  # "no noise" for the fused kernels
+
+
 def _per_head_scores(layer, rows: int, hkv: int) -> torch.Tensor:
     layer.ensure_scores()
     if layer.scores.shape[1] != hkv:
@@ -164,6 +167,8 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
     # diagonal block needs the causal mask.
     block_only = prompt_only and layer.window is None and bool((query_positions >= 0).all())
     queries = query * scaling  # the scale folded into the (few) queries, not the (many) logits
+    keys_t = key.transpose(-1, -2).contiguous()  # [B, Hkv, D, S]: the chunks' products run ~1.6x faster from it
+    fused = kernels.for_tensors(query, key)
     first = max(0, q - observe) if observe > 0 and prompt_only else 0
     for start in range(first, q, SCORE_CHUNK):
         stop = min(q, start + SCORE_CHUNK)
@@ -178,7 +183,19 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
                 lo = max(0, start - layer.window + 1)
         positions = layer.positions[:, :, lo:hi]
         qc = queries[:, :, start:stop].reshape(b, hkv, groups * n, d)
-        logits = torch.matmul(qc, key[:, :, lo:hi].transpose(-1, -2)).float().view(b, hkv, groups, n, hi - lo)
+        logits = torch.matmul(qc, keys_t[..., lo:hi])
+        # Padding queries, and queries before the observation window, weigh nothing.
+        weight = (qpos > skip_until[:, None]).float()
+        if fused is not None:  # mask, noise, softmax and the weighted sum in one pass over the logits
+            noise = _NO_NOISE
+            if contribution.noise_seed is not None:
+                starts = query_starts(contribution.noise_seed, layer_idx, hkv, groups, query.device, qpos,
+                                      position_limit)
+                noise = (noise_table(contribution.noise_seed, str(query.device)).view(-1), starts.contiguous())
+            fused.score_queries(logits, groups, qpos.contiguous(), weight, positions, layer.window or 0, *noise,
+                                NOISE_COLS, float(contribution.tau), total[:, :, lo:hi])
+            continue
+        logits = logits.float().view(b, hkv, groups, n, hi - lo)
         if block_only:
             causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril_()
             logits[..., start - lo:].masked_fill_(~causal, float("-inf"))
@@ -189,9 +206,8 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
         where = NoiseIndex(layer_idx, qpos, positions, first_slot_position + lo if prompt_only else None,
                            position_limit)
         probs = contribution(logits, where)
-        # Sum over query heads and queries in one pass; padding queries, and queries before the
-        # observation window, weigh nothing.
-        weight = (qpos > skip_until[:, None]).to(probs.dtype)[:, None, None, :].expand(b, hkv, groups, n)
+        # Sum over query heads and queries in one pass.
+        weight = weight[:, None, None, :].expand(b, hkv, groups, n)
         total[:, :, lo:hi] += torch.matmul(weight.reshape(b, hkv, 1, groups * n),
                                            probs.reshape(b, hkv, groups * n, hi - lo))[:, :, 0]
     layer.scores = scores + total
@@ -232,9 +248,6 @@ def _attend_and_score(layer, layer_idx: int, query, key, value, scaling: float, 
     else:
         scores[..., view] = added
     return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
-
-
-_NO_NOISE = (torch.empty(0), torch.empty(0, dtype=torch.long))
 
 
 def _attend_and_score_fused(fused, layer, layer_idx: int, query, key, value, scaling: float, positions,

@@ -10,6 +10,7 @@ from hypothesis import given, settings as hyp_settings, strategies as st
 
 from conftest import PROMPTS
 from skipkey import kernels
+import skipkey.attention as attention
 from skipkey.attention import ScoreContribution, StepState, _attend_and_score
 from skipkey.cache import EMPTY, LayerCache
 from skipkey.config import GenerationSettings
@@ -99,6 +100,29 @@ def test_attend_score_equals_the_eager_matmul_softmax_matmul(monkeypatch, fused,
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
     torch.testing.assert_close(scores, ref_scores, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("contribution", [ScoreContribution(), ScoreContribution(1.3, 4)])
+@pytest.mark.parametrize("observe", [0, 5])
+def test_prompt_scores_equal_the_eager_ones(monkeypatch, fused, dtype, window, contribution, observe):
+    """Prompt scoring (``score_queries``) in chunks, with padding, a window, GQA, noise and an observation window."""
+    torch.manual_seed(0)
+    b, hkv, groups, s, d = 2, 2, 2, 70, 8
+    query, key = torch.randn(b, hkv * groups, s, d).to(dtype), torch.randn(b, hkv, s, d).to(dtype)
+    pad = 9  # the second row is left-padded
+    qpos = torch.stack([torch.arange(s), torch.arange(s) - pad]).clamp(min=-1)
+    monkeypatch.setattr(attention, "SCORE_CHUNK", 16)
+    results = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv(kernels.SWITCH, switch)
+        layer = LayerCache(window)
+        layer.write(key, key, qpos, dense=False)
+        attention.accumulate_scores(layer, 3, query, key, d ** -0.5, qpos, contribution, observe, position_limit=s)
+        results.append(layer.scores)
+    assert results[0].abs().sum() > 0
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
 
 
 def test_attend_score_draws_the_noise_gumbel_noise_draws(fused):

@@ -474,8 +474,122 @@ at::Tensor lowest_unprotected(const at::Tensor& priority, const at::Tensor& posi
   return out;
 }
 
+// Prompt scoring: what a chunk of prompt queries adds to each key's score, from the chunk's raw logits.
+// logits [B, Hkv, G * n, S] (float32 or bfloat16, contiguous; row g * n + i is query head g of query i);
+// query_positions [B, n] int64; weight [B, n] float32 (0: the query adds nothing, e.g. padding or outside
+// the observation window); key_positions [B, 1 or Hkv, S] int64 (unit stride in S); window as in attend_score;
+// noise as in attend_score with noise_start [B, Hkv, G, n]. Adds, per row and KV head, the weighted sum over
+// queries of softmax((logits + noise) / tau) over the keys each query may see, to total [B, Hkv, S] float32.
+template <typename L>
+void score_queries_impl(const at::Tensor& logits, int64_t groups, const at::Tensor& query_positions,
+                        const at::Tensor& weight, const at::Tensor& key_positions, int64_t window,
+                        const at::Tensor& noise_table, const at::Tensor& noise_start, int64_t noise_cols, double tau,
+                        at::Tensor& total) {
+  const int64_t rows = logits.size(0), heads = logits.size(1), queries = logits.size(2) / groups;
+  const int64_t slots = logits.size(3);
+  const L* l_ptr = logits.data_ptr<L>();
+  const int64_t* qpos_ptr = query_positions.data_ptr<int64_t>();
+  const float* w_ptr = weight.data_ptr<float>();
+  const int64_t* kpos_ptr = key_positions.data_ptr<int64_t>();
+  const int64_t kpos_strides[2] = {key_positions.stride(0), key_positions.stride(1)};
+  const int64_t kpos_heads = key_positions.size(1);
+  const bool noisy = noise_table.numel() > 0;
+  const float* table = noisy ? noise_table.data_ptr<float>() : nullptr;
+  const int64_t* start_ptr = noisy ? noise_start.data_ptr<int64_t>() : nullptr;
+  const int64_t col_mask = noise_cols - 1;
+  const float inv_tau = static_cast<float>(1.0 / tau);
+  float* total_ptr = total.data_ptr<float>();
+  const int64_t total_strides[2] = {total.stride(0), total.stride(1)};
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(slots);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / heads, h = task % heads;
+      const int64_t* kp = kpos_ptr + b * kpos_strides[0] + (kpos_heads == 1 ? 0 : h) * kpos_strides[1];
+      float* out = total_ptr + b * total_strides[0] + h * total_strides[1];
+      // A prompt chunk's keys are usually consecutive positions after any left padding: then each query
+      // sees one run of slots, and its noise is one contiguous run of its table row.
+      int64_t first = 0;
+      while (first < slots && kp[first] < 0) ++first;
+      bool consecutive = first < slots;
+      for (int64_t s = first + 1; consecutive && s < slots; ++s) consecutive = kp[s] == kp[first] + (s - first);
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t i = 0; i < queries; ++i) {
+          const float w = w_ptr[b * queries + i];
+          if (w == 0.0f) continue;
+          const int64_t qpos = qpos_ptr[b * queries + i];
+          const L* lr = l_ptr + ((b * heads + h) * groups * queries + g * queries + i) * slots;
+          const int64_t start = noisy ? start_ptr[((b * heads + h) * groups + g) * queries + i] : 0;
+          if (consecutive) {
+            const int64_t p0 = kp[first];
+            int64_t lo = first, hi = std::min(slots - 1, first + (qpos - p0));  // slots [lo, hi] are visible
+            if (window > 0) lo = std::max(lo, first + (qpos - window + 1 - p0));
+            const int64_t n = hi - lo + 1;
+            if (n > 0 && (!noisy || n <= noise_cols)) {
+              // Key position p draws table[start + (p mod C)]: the row's doubled copy makes that
+              // table[row + (shift + p_lo) mod C + j] for the run's j-th key, C = noise_cols.
+              const int64_t shift = start % (2 * noise_cols);
+              const float* noise = noisy ? table + (start - shift) + ((shift + p0 + (lo - first)) & col_mask) : nullptr;
+              float* x = row.data();
+              for (int64_t j = 0; j < n; ++j) x[j] = (widen(lr[lo + j]) + (noisy ? noise[j] : 0.0f)) * inv_tau;
+              softmax_row(x, n);
+              for (int64_t j = 0; j < n; ++j) out[lo + j] += w * x[j];
+              continue;
+            }
+          }
+          for (int64_t s = 0; s < slots; ++s) {
+            const int64_t p = kp[s];
+            const bool visible = p >= 0 && p <= qpos && (window <= 0 || qpos - p < window);
+            const float noise = noisy ? table[start + (p & col_mask)] : 0.0f;
+            row[s] = visible ? (widen(lr[s]) + noise) * inv_tau : kNegInf;
+          }
+          softmax_row(row.data(), slots);
+          for (int64_t s = 0; s < slots; ++s) out[s] += w * row[s];
+        }
+      }
+    }
+  });
+}
+
+void score_queries(const at::Tensor& logits, int64_t groups, const at::Tensor& query_positions,
+                   const at::Tensor& weight, const at::Tensor& key_positions, int64_t window,
+                   const at::Tensor& noise_table, const at::Tensor& noise_start, int64_t noise_cols, double tau,
+                   at::Tensor total) {
+  for (const at::Tensor* t : {&logits, &query_positions, &weight, &key_positions}) check_cpu(*t, "every input");
+  check_cpu(total, "total");
+  TORCH_CHECK(logits.dim() == 4 && logits.is_contiguous() && groups > 0 && logits.size(2) % groups == 0,
+              "logits must be contiguous [B, Hkv, G * n, S]");
+  const int64_t rows = logits.size(0), heads = logits.size(1), queries = logits.size(2) / groups;
+  const int64_t slots = logits.size(3);
+  TORCH_CHECK(query_positions.scalar_type() == at::kLong && query_positions.is_contiguous() &&
+                  query_positions.numel() == rows * queries, "query_positions must be int64 [B, n]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == rows * queries,
+              "weight must be float32 [B, n]");
+  TORCH_CHECK(key_positions.scalar_type() == at::kLong && key_positions.dim() == 3 && key_positions.stride(2) == 1 &&
+                  key_positions.size(0) == rows && key_positions.size(2) == slots &&
+                  (key_positions.size(1) == 1 || key_positions.size(1) == heads),
+              "key_positions must be int64 [B, 1 or Hkv, S] with unit stride in S");
+  TORCH_CHECK(total.scalar_type() == at::kFloat && total.dim() == 3 && total.stride(2) == 1 && total.size(0) == rows &&
+                  total.size(1) == heads && total.size(2) == slots, "total must be float32 [B, Hkv, S]");
+  if (noise_table.numel() > 0) {
+    TORCH_CHECK(noise_table.scalar_type() == at::kFloat && noise_table.is_contiguous(), "noise_table: float32");
+    TORCH_CHECK(noise_start.scalar_type() == at::kLong && noise_start.is_contiguous() &&
+                    noise_start.numel() == rows * heads * groups * queries, "noise_start must be int64 [B, Hkv, G, n]");
+    TORCH_CHECK(noise_cols > 0 && (noise_cols & (noise_cols - 1)) == 0, "noise_cols must be a power of two");
+  }
+  TORCH_CHECK(tau > 0, "tau must be positive");
+  if (logits.scalar_type() == at::kBFloat16) {
+    score_queries_impl<c10::BFloat16>(logits, groups, query_positions, weight, key_positions, window, noise_table,
+                                      noise_start, noise_cols, tau, total);
+  } else {
+    TORCH_CHECK(logits.scalar_type() == at::kFloat, "logits must be float32 or bfloat16");
+    score_queries_impl<float>(logits, groups, query_positions, weight, key_positions, window, noise_table,
+                              noise_start, noise_cols, tau, total);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_score", &attend_score, "one decode query per row: attention output and score contribution");
+  m.def("score_queries", &score_queries, "a chunk of prompt queries' score contributions, summed over queries");
   m.def("write_slot", &write_slot, "write one token per row and KV head into its freed slot");
   m.def("lowest_unprotected", &lowest_unprotected, "per row and head, the lowest-priority slot outside the recent window");
 }
