@@ -1,0 +1,44 @@
+"""The README's KV speed table, from the JSON that ``assets/results/speed.sh``'s KV block writes.
+
+    python3 assets/results/kv_table.py
+
+One row per (model, prompt, batch, policy): decode tok/s (each row's own median), the lockstep "vs full" with the
+range over runs (where there were several), the memory-traffic limit, the measured speedup over it, TTFT vs full and the KV cache held (MiB).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FILES = [("llama-mha-350m", "bench_kv_llama350m_2k.json"), ("llama-mha-350m", "bench_kv_llama350m_4k.json"),
+         ("llama-mha-350m", "bench_kv_llama350m_2k_b8.json"), ("llama-mha-350m", "bench_kv_llama350m_4k_b8.json"),
+         ("embedded", "bench_kv_embedded.json")]
+
+
+def policy_name(variant: str) -> str:
+    """``"snapkv (50% of prompt, recent 30%, observe 32, pool 7)"`` -> ``"snapkv (observe 32, pool 7)"``."""
+    name, _, rest = variant.partition(" (")
+    options = [o for o in rest.rstrip(")").split(", ") if o and not re.match(r"(\d+% of prompt|recent \d+%)$", o)]
+    return f"{name} ({', '.join(options)})" if options else name
+
+
+def main() -> None:
+    print("| model | prompt | batch | policy | decode tok/s | vs full (runs' range) | bytes limit | of limit "
+          "| TTFT vs full | KV MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for model, name in FILES:
+        for run in json.loads((HERE / name).read_text()):
+            for row in run["rows"]:
+                spread = row.get("speedup_range")
+                ratio = f"{row['speedup_vs_full']:.2f}x" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread and run["repeats"] > 1 else "")
+                prompt = run["prompt_tokens"] if isinstance(run["prompt_tokens"], int) else run["prompt_tokens"][0]
+                print(f"| {model} | {row.get('prompt', prompt)} | {run['batch']} | {policy_name(row['variant'])} "
+                      f"| {row['tokens_per_s']:.1f} | {ratio} | {row['ideal_ratio']:.2f}x "
+                      f"| {row['measured_over_ideal']:.2f} | {row['ttft_vs_full']:.2f}x | {row['kv_bytes'] / 2**20:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
