@@ -129,6 +129,16 @@ def _expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | N
 _NO_NOISE = (torch.empty(0), torch.empty(0, dtype=torch.long))  # "no noise" for the fused kernels
 
 
+def _fused_noise(contribution: ScoreContribution, layer_idx: int, hkv: int, groups: int, query_positions,
+                 position_limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernels' noise arguments: the flat table and each query's start in it, ``[B, Hkv, G, q]``."""
+    if contribution.noise_seed is None:
+        return _NO_NOISE
+    device = query_positions.device
+    starts = query_starts(contribution.noise_seed, layer_idx, hkv, groups, device, query_positions, position_limit)
+    return noise_table(contribution.noise_seed, str(device)).view(-1), starts.contiguous()
+
+
 def _per_head_scores(layer, rows: int, hkv: int) -> torch.Tensor:
     layer.ensure_scores()
     if layer.scores.shape[1] != hkv:
@@ -187,11 +197,7 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
         # Padding queries, and queries before the observation window, weigh nothing.
         weight = (qpos > skip_until[:, None]).float()
         if fused is not None:  # mask, noise, softmax and the weighted sum in one pass over the logits
-            noise = _NO_NOISE
-            if contribution.noise_seed is not None:
-                starts = query_starts(contribution.noise_seed, layer_idx, hkv, groups, query.device, qpos,
-                                      position_limit)
-                noise = (noise_table(contribution.noise_seed, str(query.device)).view(-1), starts.contiguous())
+            noise = _fused_noise(contribution, layer_idx, hkv, groups, qpos, position_limit)
             fused.score_queries(logits, groups, qpos.contiguous(), weight, positions, layer.window or 0, *noise,
                                 NOISE_COLS, float(contribution.tau), total[:, :, lo:hi])
             continue
@@ -258,11 +264,7 @@ def _attend_and_score_fused(fused, layer, layer_idx: int, query, key, value, sca
     hkv = key.shape[1]
     groups = hq // hkv
     contribution = state.contribution
-    noise = _NO_NOISE
-    if contribution.noise_seed is not None:
-        starts = query_starts(contribution.noise_seed, layer_idx, hkv, groups, key.device, state.query_positions,
-                              state.position_limit)  # [B, Hkv, G, 1]
-        noise = (noise_table(contribution.noise_seed, str(key.device)).view(-1), starts.reshape(b, hkv, groups).contiguous())
+    noise = _fused_noise(contribution, layer_idx, hkv, groups, state.query_positions, state.position_limit)
     scores = _per_head_scores(layer, b, hkv)[..., layer.visible()]
     # A decode query needs a mask exactly where the layer is not dense (``_mask_for_output``).
     out = fused.attend_score(query, scaling, key, value, positions, state.query_positions.reshape(b), layer.window or 0,

@@ -98,6 +98,12 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 #endif
 
+// A slot holding position p is visible to a query at qpos: a token at or before it, inside its window
+// (window <= 0: none). The rule of skipkey.attention.allowed_keys.
+inline bool visible_to(int64_t p, int64_t qpos, int64_t window) {
+  return p >= 0 && p <= qpos && (window <= 0 || qpos - p < window);
+}
+
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   int64_t i = 0;
@@ -242,7 +248,7 @@ void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, c
       // Logits, -inf where the slot holds no token this query may see (skipkey.attention.allowed_keys).
       for (int64_t s = 0; s < slots; ++s) {
         const int64_t p = pb[s];
-        const bool visible = !masked || (p >= 0 && p <= qpos && (window <= 0 || qpos - p < window));
+        const bool visible = !masked || visible_to(p, qpos, window);
         const T* kr = kb + s * k_row;
         for (int64_t g = 0; g < groups; ++g) {
           if (!visible)
@@ -294,6 +300,19 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
+// The noise arguments both scoring kernels take: an empty table (no noise) or float32 draws with one start per
+// query, a power-of-two row width; and a positive temperature.
+void check_noise(const at::Tensor& table, const at::Tensor& start, int64_t starts, int64_t cols, double tau,
+                 const char* shape) {
+  if (table.numel() > 0) {
+    TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous(), "noise_table: float32");
+    TORCH_CHECK(start.scalar_type() == at::kLong && start.is_contiguous() && start.numel() == starts,
+                "noise_start must be int64 ", shape);
+    TORCH_CHECK(cols > 0 && (cols & (cols - 1)) == 0, "noise_cols must be a power of two");
+  }
+  TORCH_CHECK(tau > 0, "tau must be positive");
+}
+
 }  // namespace
 
 // q [B, Hq, 1, D] (Hq = G * Hkv query heads, KV head h serving query heads h*G .. h*G+G-1), scaled here by
@@ -322,13 +341,7 @@ at::Tensor attend_score(const at::Tensor& q, double scale, const at::Tensor& k, 
   TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 3 && scores.stride(2) == 1 &&
                   scores.size(0) == k.size(0) && scores.size(1) == k.size(1) && scores.size(2) == k.size(2),
               "scores must be float32 [B, Hkv, S] with unit stride in S");
-  if (noise_table.numel() > 0) {
-    TORCH_CHECK(noise_table.scalar_type() == at::kFloat && noise_table.is_contiguous(), "noise_table: float32");
-    TORCH_CHECK(noise_start.scalar_type() == at::kLong && noise_start.is_contiguous() &&
-                    noise_start.numel() == q.size(0) * q.size(1), "noise_start must be int64 [B, Hkv, G]");
-    TORCH_CHECK(noise_cols > 0 && (noise_cols & (noise_cols - 1)) == 0, "noise_cols must be a power of two");
-  }
-  TORCH_CHECK(tau > 0, "tau must be positive");
+  check_noise(noise_table, noise_start, q.size(0) * q.size(1), noise_cols, tau, "[B, Hkv, G]");
   auto out = at::empty({k.size(0), k.size(1), q.size(1) / k.size(1), k.size(3)}, v.options());
   if (k.scalar_type() == at::kBFloat16) {
     attend_score_impl<c10::BFloat16>(q, scale, k, v, positions, query_positions, window, masked, scores, accumulate,
@@ -538,9 +551,8 @@ void score_queries_impl(const at::Tensor& logits, int64_t groups, const at::Tens
           }
           for (int64_t s = 0; s < slots; ++s) {
             const int64_t p = kp[s];
-            const bool visible = p >= 0 && p <= qpos && (window <= 0 || qpos - p < window);
             const float noise = noisy ? table[start + (p & col_mask)] : 0.0f;
-            row[s] = visible ? (widen(lr[s]) + noise) * inv_tau : kNegInf;
+            row[s] = visible_to(p, qpos, window) ? (widen(lr[s]) + noise) * inv_tau : kNegInf;
           }
           softmax_row(row.data(), slots);
           for (int64_t s = 0; s < slots; ++s) out[s] += w * row[s];
@@ -570,13 +582,7 @@ void score_queries(const at::Tensor& logits, int64_t groups, const at::Tensor& q
               "key_positions must be int64 [B, 1 or Hkv, S] with unit stride in S");
   TORCH_CHECK(total.scalar_type() == at::kFloat && total.dim() == 3 && total.stride(2) == 1 && total.size(0) == rows &&
                   total.size(1) == heads && total.size(2) == slots, "total must be float32 [B, Hkv, S]");
-  if (noise_table.numel() > 0) {
-    TORCH_CHECK(noise_table.scalar_type() == at::kFloat && noise_table.is_contiguous(), "noise_table: float32");
-    TORCH_CHECK(noise_start.scalar_type() == at::kLong && noise_start.is_contiguous() &&
-                    noise_start.numel() == rows * heads * groups * queries, "noise_start must be int64 [B, Hkv, G, n]");
-    TORCH_CHECK(noise_cols > 0 && (noise_cols & (noise_cols - 1)) == 0, "noise_cols must be a power of two");
-  }
-  TORCH_CHECK(tau > 0, "tau must be positive");
+  check_noise(noise_table, noise_start, rows * heads * groups * queries, noise_cols, tau, "[B, Hkv, G, n]");
   if (logits.scalar_type() == at::kBFloat16) {
     score_queries_impl<c10::BFloat16>(logits, groups, query_positions, weight, key_positions, window, noise_table,
                                       noise_start, noise_cols, tau, total);
