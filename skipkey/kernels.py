@@ -1,15 +1,17 @@
-"""Fused CPU kernels for an evicting layer's decode step (``csrc/decode_step.cpp``), compiled on first use.
+"""Fused CPU kernels for KV eviction (``csrc/decode_step.cpp``), compiled on first use.
 
-Eager PyTorch runs an evicting layer's decode step as a dozen small calls, and its
+Eager PyTorch runs an evicting layer's decode step as a dozen small calls, its
 matmul-softmax-matmul reads the cache at about 60% of SDPA's speed on CPU
-(``assets/results/decode_kernels.txt``). Three C++ kernels do the same work in one
-call each: ``attend_score`` (attention output and score contribution from one
-read of the keys and values), ``write_slot`` and ``lowest_unprotected``.
+(``assets/results/decode_kernels.txt``), and prompt scoring makes about nine passes
+over each chunk's logits. Four C++ kernels do the same work in one call each:
+``attend_score`` (attention output and score contribution from one read of the
+keys and values), ``write_slot``, ``lowest_unprotected`` and ``score_queries``
+(a prompt chunk's mask, noise, softmax and sum over queries in one pass).
 
 They are an optimisation only. The eager code in ``skipkey.attention``,
 ``skipkey.cache`` and ``skipkey.kv_policies`` stays the reference and runs
 wherever the kernels cannot: on GPUs, for other dtypes, where no C++ compiler is
-installed (the slim Docker image), or with ``SKIPKEY_KERNELS=0``.
+installed, or with ``SKIPKEY_KERNELS=0``.
 """
 
 from __future__ import annotations
