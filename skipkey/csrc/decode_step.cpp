@@ -146,6 +146,63 @@ void weighted_rows(float* acc, const float* w, const T* v, int64_t rows, int64_t
   }
 }
 
+#if defined(__AVX512F__)
+// Lane j of the result: the sum of v[j]'s 16 lanes (a transpose-and-add tree, about 3 instructions per vector
+// where 16 horizontal sums take 8 each).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sum of v[4i], ..., v[4i + 3]
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// Bit j: slot j of the n <= 16 at p holds a position visible to a query at qpos (visible_to, 16 at a time).
+inline __mmask16 visible16(const int64_t* p, int64_t n, int64_t qpos, int64_t window) {
+  const __mmask8 m0 = n >= 8 ? 0xFF : static_cast<__mmask8>((1u << n) - 1);
+  const __mmask8 m1 = n >= 16 ? 0xFF : n > 8 ? static_cast<__mmask8>((1u << (n - 8)) - 1) : 0;
+  const __m512i above = _mm512_set1_epi64(window > 0 ? std::max<int64_t>(-1, qpos - window) : -1);
+  const __m512i upto = _mm512_set1_epi64(qpos);
+  const __m512i a = _mm512_maskz_loadu_epi64(m0, p), b = _mm512_maskz_loadu_epi64(m1, p + 8);
+  const __mmask8 va = _mm512_mask_cmpgt_epi64_mask(_mm512_mask_cmple_epi64_mask(m0, a, upto), a, above);
+  const __mmask8 vb = _mm512_mask_cmpgt_epi64_mask(_mm512_mask_cmple_epi64_mask(m1, b, upto), b, above);
+  return static_cast<__mmask16>(va | (static_cast<unsigned>(vb) << 8));
+}
+
+// Logits of query head g's (scaled, float32 qf or bfloat16 q16 when paired) against slots [s0, s0 + n), n <= 16,
+// into out[0, n): -inf where vis is clear. Sixteen independent sums in registers, reduced together.
+template <typename T>
+inline void logits16(float* out, const float* qf, const uint16_t* q16, bool paired, const T* k, int64_t k_row,
+                     int64_t n, int64_t dim, __mmask16 vis) {
+  const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  if ((vis & live) == 0) {
+    _mm512_mask_storeu_ps(out, live, _mm512_set1_ps(kNegInf));
+    return;
+  }
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_setzero_ps();
+    if (j >= n) continue;
+    const T* kr = k + j * k_row;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (paired) {
+        for (int64_t i = 0; i < dim; i += 32)
+          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(q16 + i), (__m512bh)_mm512_loadu_si512(kr + i));
+        continue;
+      }
+    }
+#endif
+    for (int64_t i = 0; i < dim; i += 16) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i), load16(kr + i), acc[j]);
+  }
+  _mm512_mask_storeu_ps(out, live, _mm512_mask_blend_ps(vis, _mm512_set1_ps(kNegInf), sum_lanes16(acc)));
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // bfloat16 keys and values with AVX512-BF16: pairs of bfloat16 products summed straight into float32
 // (vdpbf16ps), with no widening of the cache. The query and the attention weights are rounded to
@@ -246,7 +303,24 @@ void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, c
       const int64_t* pb = pos_ptr + b * pos_strides[0] + (pos_heads == 1 ? 0 : h) * pos_strides[1];
       const int64_t qpos = qpos_ptr[b];
       // Logits, -inf where the slot holds no token this query may see (skipkey.attention.allowed_keys).
-      for (int64_t s = 0; s < slots; ++s) {
+      int64_t s = 0;
+#if defined(__AVX512F__)
+      if (dim % 16 == 0) {
+        for (; s < slots; s += 16) {
+          const int64_t n = std::min<int64_t>(16, slots - s);
+          const __mmask16 vis = masked ? visible16(pb + s, n, qpos, window) : static_cast<__mmask16>(0xFFFF);
+          {  // the values these slots' weights will read, into L2 while the keys stream in
+            const char* vr = reinterpret_cast<const char*>(vb + s * v_row);
+            const int64_t bytes = n * v_row * static_cast<int64_t>(sizeof(T));
+            for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(vr + off, _MM_HINT_T1);
+          }
+          for (int64_t g = 0; g < groups; ++g)
+            logits16(probs.data() + g * slots + s, qb + g * dim, paired ? q16.data() + g * dim : nullptr, paired,
+                     kb + s * k_row, k_row, n, dim, vis);
+        }
+      }
+#endif
+      for (; s < slots; ++s) {
         const int64_t p = pb[s];
         const bool visible = !masked || visible_to(p, qpos, window);
         const T* kr = kb + s * k_row;
