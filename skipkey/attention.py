@@ -177,8 +177,11 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
     # diagonal block needs the causal mask.
     block_only = prompt_only and layer.window is None and bool((query_positions >= 0).all())
     queries = query * scaling  # the scale folded into the (few) queries, not the (many) logits
-    keys_t = key.transpose(-1, -2).contiguous()  # [B, Hkv, D, S]: the chunks' products run ~1.6x faster from it
     fused = kernels.for_tensors(query, key)
+    if fused is not None:  # keys packed once per layer for the kernel's products
+        packed = kernels.pack_keys(fused, key)
+    else:
+        keys_t = key.transpose(-1, -2).contiguous()  # [B, Hkv, D, S]: the chunks' products run ~1.6x faster from it
     first = max(0, q - observe) if observe > 0 and prompt_only else 0
     for start in range(first, q, SCORE_CHUNK):
         stop = min(q, start + SCORE_CHUNK)
@@ -193,15 +196,14 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
                 lo = max(0, start - layer.window + 1)
         positions = layer.positions[:, :, lo:hi]
         qc = queries[:, :, start:stop].reshape(b, hkv, groups * n, d)
-        logits = torch.matmul(qc, keys_t[..., lo:hi])
         # Padding queries, and queries before the observation window, weigh nothing.
         weight = (qpos > skip_until[:, None]).float()
-        if fused is not None:  # mask, noise, softmax and the weighted sum in one pass over the logits
+        if fused is not None:  # logits, mask, noise, softmax and the weighted sum in one pass, logits in registers
             noise = _fused_noise(contribution, layer_idx, hkv, groups, qpos, position_limit)
-            fused.score_queries(logits, groups, qpos.contiguous(), weight, positions, layer.window or 0, *noise,
-                                NOISE_COLS, float(contribution.tau), total[:, :, lo:hi])
+            fused.score_prompt(qc.contiguous(), groups, packed[:, :, :, lo:hi], qpos.contiguous(), weight, positions,
+                               layer.window or 0, *noise, NOISE_COLS, float(contribution.tau), total[:, :, lo:hi])
             continue
-        logits = logits.float().view(b, hkv, groups, n, hi - lo)
+        logits = torch.matmul(qc, keys_t[..., lo:hi]).float().view(b, hkv, groups, n, hi - lo)
         if block_only:
             causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril_()
             logits[..., start - lo:].masked_fill_(~causal, float("-inf"))

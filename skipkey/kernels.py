@@ -2,11 +2,13 @@
 
 Eager PyTorch runs an evicting layer's decode step as a dozen small calls, its
 matmul-softmax-matmul reads the cache at about 60% of SDPA's speed on CPU
-(``assets/results/decode_kernels.txt``), and prompt scoring makes about nine passes
-over each chunk's logits. Four C++ kernels do the same work in one call each:
-``attend_score`` (attention output and score contribution from one read of the
-keys and values), ``write_slot``, ``lowest_unprotected`` and ``score_queries``
-(a prompt chunk's mask, noise, softmax and sum over queries in one pass).
+(``assets/results/decode_kernels.txt``), and prompt scoring writes every chunk's
+logits to memory and makes about nine passes over them. Four C++ kernels do the
+same work in one call each: ``attend_score`` (attention output and score
+contribution from one read of the keys and values), ``write_slot``,
+``lowest_unprotected`` and ``score_prompt`` (a prompt chunk's logits, on AMX tiles
+where the CPU has them, then mask, noise, softmax and the sum over queries, without
+the logits leaving the cache).
 
 They are an optimisation only. The eager code in ``skipkey.attention``,
 ``skipkey.cache`` and ``skipkey.kv_policies`` stays the reference and runs
@@ -75,6 +77,14 @@ def build_in_background() -> threading.Thread:
 
 def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
+
+
+def pack_keys(module, keys: torch.Tensor) -> torch.Tensor:
+    """``keys`` [B, H, S, D] as ``score_prompt`` reads them, [B, H, D / P, S, P]: for each pair of dimensions
+    (P = 2: bfloat16 on a CPU with AVX512-BF16) or each dimension (P = 1), sixteen keys side by side."""
+    b, h, s, d = keys.shape
+    pairs = 2 if keys.dtype == torch.bfloat16 and d % 2 == 0 and module.bf16_pairs() else 1
+    return keys.view(b, h, s, d // pairs, pairs).permute(0, 1, 3, 2, 4).contiguous()
 
 
 def for_tensors(*tensors: torch.Tensor):

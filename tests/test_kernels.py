@@ -106,10 +106,11 @@ def test_attend_score_equals_the_eager_matmul_softmax_matmul(monkeypatch, fused,
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("contribution", [ScoreContribution(), ScoreContribution(1.3, 4)])
 @pytest.mark.parametrize("observe", [0, 5])
-def test_prompt_scores_equal_the_eager_ones(monkeypatch, fused, dtype, window, contribution, observe):
-    """Prompt scoring (``score_queries``) in chunks, with padding, a window, GQA, noise and an observation window."""
+@pytest.mark.parametrize("d", [8, 64])  # 64: bfloat16's AMX tiles where the CPU has them (whole and padded tiles)
+def test_prompt_scores_equal_the_eager_ones(monkeypatch, fused, dtype, window, contribution, observe, d):
+    """Prompt scoring (``score_prompt``) in chunks, with padding, a window, GQA, noise and an observation window."""
     torch.manual_seed(0)
-    b, hkv, groups, s, d = 2, 2, 2, 70, 8
+    b, hkv, groups, s = 2, 2, 2, 70
     query, key = torch.randn(b, hkv * groups, s, d).to(dtype), torch.randn(b, hkv, s, d).to(dtype)
     pad = 9  # the second row is left-padded
     qpos = torch.stack([torch.arange(s), torch.arange(s) - pad]).clamp(min=-1)
@@ -122,7 +123,9 @@ def test_prompt_scores_equal_the_eager_ones(monkeypatch, fused, dtype, window, c
         attention.accumulate_scores(layer, 3, query, key, d ** -0.5, qpos, contribution, observe, position_limit=s)
         results.append(layer.scores)
     assert results[0].abs().sum() > 0
-    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+    # The kernel keeps the logits in float32 where eager rounds them to bfloat16.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(results[0], results[1], rtol=tol, atol=tol)
 
 
 def test_attend_score_draws_the_noise_gumbel_noise_draws(fused):

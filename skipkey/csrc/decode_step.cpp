@@ -1,17 +1,22 @@
-// SkipKey's fused CPU kernels for one decode step of an evicting layer.
+// SkipKey's fused CPU kernels for KV eviction: a decode step of an evicting layer, and prompt scoring.
 //
 // Eager PyTorch spends a decode step of an evicting layer in a dozen small calls
 // (10-40 us each on a small CPU) and reads the cache at about 60% of SDPA's speed
-// when it also needs the attention weights. These three kernels do the same work
-// in one call each, reading every key and value once:
+// when it also needs the attention weights; its prompt scoring writes every chunk's
+// logits to memory and passes over them about nine times. These kernels do the same
+// work in one call each:
 //
 //   attend_score      the attention output for one query per row *and* the score
 //                     contribution softmax((logits + Gumbel noise) / tau), added to
-//                     (or written over) the layer's scores in place;
+//                     (or written over) the layer's scores in place, reading every
+//                     key and value once;
 //   write_slot        the new token's key, value and position into the slot eviction
 //                     freed, per row and KV head, and its score reset;
 //   lowest_unprotected  per row and head, the lowest-priority slot outside the recent
-//                     window (the next victim).
+//                     window (the next victim);
+//   score_prompt      a chunk of prompt queries' contributions, summed over queries:
+//                     logits on AMX tiles (bfloat16, where the CPU has them) or AVX-512,
+//                     then mask, noise and softmax while they are still in cache.
 //
 // Semantics are those of skipkey/attention.py and skipkey/kv_policies.py's eager
 // code, which stays the reference (tests compare the two). Rows and heads are
@@ -21,6 +26,8 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -64,8 +71,9 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// In place: row <- softmax(row); entries of -inf (masked keys) become exactly 0.
-void softmax_row(float* row, int64_t n) {
+// In place: row <- exp(row - max(row)), entries of -inf (masked keys) exactly 0; returns their sum (0 if every
+// entry is -inf). softmax is this divided by the sum.
+float exp_shifted(float* row, int64_t n) {
   float top = kNegInf;
   int64_t s = 0;
 #if defined(__AVX512F__)
@@ -74,9 +82,9 @@ void softmax_row(float* row, int64_t n) {
   top = _mm512_reduce_max_ps(tops);
 #endif
   for (; s < n; ++s) top = std::max(top, row[s]);
-  if (top == kNegInf) {  // no visible key (a decode query always sees itself, so never in practice)
+  if (top == kNegInf) {
     std::fill(row, row + n, 0.0f);
-    return;
+    return 0.0f;
   }
   float sum = 0.0f;
   for (s = 0; s < n; ++s) {
@@ -85,8 +93,15 @@ void softmax_row(float* row, int64_t n) {
     row[s] = x == kNegInf ? 0.0f : e;
     sum += row[s];
   }
+  return sum;
+}
+
+// In place: row <- softmax(row); entries of -inf (masked keys) become exactly 0.
+void softmax_row(float* row, int64_t n) {
+  const float sum = exp_shifted(row, n);
+  if (sum == 0.0f) return;  // no visible key (a decode query always sees itself, so never in practice)
   const float inv = 1.0f / sum;
-  for (s = 0; s < n; ++s) row[s] *= inv;
+  for (int64_t s = 0; s < n; ++s) row[s] *= inv;
 }
 
 #if defined(__AVX512F__)
@@ -561,20 +576,186 @@ at::Tensor lowest_unprotected(const at::Tensor& priority, const at::Tensor& posi
   return out;
 }
 
-// Prompt scoring: what a chunk of prompt queries adds to each key's score, from the chunk's raw logits.
-// logits [B, Hkv, G * n, S] (float32 or bfloat16, contiguous; row g * n + i is query head g of query i);
-// query_positions [B, n] int64; weight [B, n] float32 (0: the query adds nothing, e.g. padding or outside
-// the observation window); key_positions [B, 1 or Hkv, S] int64 (unit stride in S); window as in attend_score;
-// noise as in attend_score with noise_start [B, Hkv, G, n]. Adds, per row and KV head, the weighted sum over
-// queries of softmax((logits + noise) / tau) over the keys each query may see, to total [B, Hkv, S] float32.
-template <typename L>
-void score_queries_impl(const at::Tensor& logits, int64_t groups, const at::Tensor& query_positions,
-                        const at::Tensor& weight, const at::Tensor& key_positions, int64_t window,
-                        const at::Tensor& noise_table, const at::Tensor& noise_start, int64_t noise_cols, double tau,
-                        at::Tensor& total) {
-  const int64_t rows = logits.size(0), heads = logits.size(1), queries = logits.size(2) / groups;
-  const int64_t slots = logits.size(3);
-  const L* l_ptr = logits.data_ptr<L>();
+// Prompt scoring, the softmax part: one query's row of logits (float32, slots [0, slots)) adds
+// w * softmax((logits + noise) / tau) over the keys it may see to out. kp: the slots' positions; consecutive /
+// first: they are first, first + 1, ... from slot `first` on (empty slots before), so the visible keys are one
+// run and their noise one contiguous run of the query's table row.
+void add_query_row(float* row, int64_t slots, const int64_t* kp, bool consecutive, int64_t first, int64_t qpos,
+                   int64_t window, float w, const float* table, int64_t start, int64_t noise_cols, float inv_tau,
+                   float* out) {
+  const bool noisy = table != nullptr;
+  const int64_t col_mask = noise_cols - 1;
+  if (consecutive) {
+    const int64_t p0 = kp[first];
+    int64_t lo = first, hi = std::min(slots - 1, first + (qpos - p0));  // slots [lo, hi] are visible
+    if (window > 0) lo = std::max(lo, first + (qpos - window + 1 - p0));
+    const int64_t n = hi - lo + 1;
+    if (n <= 0) return;
+    if (!noisy || n <= noise_cols) {
+      // Key position p draws table[start + (p mod C)]: the row's doubled copy makes that
+      // table[row + (shift + p_lo) mod C + j] for the run's j-th key, C = noise_cols.
+      const int64_t shift = start % (2 * noise_cols);
+      const float* noise = noisy ? table + (start - shift) + ((shift + p0 + (lo - first)) & col_mask) : nullptr;
+      float* x = row + lo;
+      if (noisy)
+        for (int64_t j = 0; j < n; ++j) x[j] = (x[j] + noise[j]) * inv_tau;
+      else if (inv_tau != 1.0f)
+        for (int64_t j = 0; j < n; ++j) x[j] *= inv_tau;
+      const float scale = w / exp_shifted(x, n);
+      for (int64_t j = 0; j < n; ++j) out[lo + j] += scale * x[j];
+      return;
+    }
+  }
+  for (int64_t s = 0; s < slots; ++s) {
+    const int64_t p = kp[s];
+    const float noise = noisy ? table[start + (p & col_mask)] : 0.0f;
+    row[s] = visible_to(p, qpos, window) ? (row[s] + noise) * inv_tau : kNegInf;
+  }
+  const float sum = exp_shifted(row, slots);
+  if (sum == 0.0f) return;  // no visible key
+  const float scale = w / sum;
+  for (int64_t s = 0; s < slots; ++s) out[s] += scale * row[s];
+}
+
+#if defined(__AVX512F__)
+// Logits of four queries against KC * 16 keys (fewer in the last block: live masks its keys), from keys packed
+// [D / P, S, P]: for each pair (P = 2, bfloat16 with AVX512-BF16) or single dimension (P = 1) of the head,
+// sixteen keys' values side by side. q: the four queries, P dimensions per 32-bit word (P = 2) or float32 (P = 1);
+// each step loads the keys once for all four queries. out: four rows `stride` apart.
+template <typename T, int P, int KC>
+inline void logits_4xkeys(float* out, int64_t stride, const void* q, int64_t steps, const T* k, int64_t step_stride,
+                          __mmask16 live) {
+  __m512 acc[4][KC];
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < KC; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < steps; ++i) {
+    const T* kr = k + i * step_stride;
+    if constexpr (P == 2) {
+#if defined(__AVX512BF16__)
+      __m512i kv[KC];
+      for (int c = 0; c < KC; ++c)
+        kv[c] = c + 1 < KC ? _mm512_loadu_si512(kr + 32 * c) : _mm512_maskz_loadu_epi32(live, kr + 32 * c);
+      const uint32_t* qw = static_cast<const uint32_t*>(q);
+      for (int j = 0; j < 4; ++j) {
+        const __m512bh qj = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(qw[j * steps + i]));
+        for (int c = 0; c < KC; ++c) acc[j][c] = _mm512_dpbf16_ps(acc[j][c], qj, (__m512bh)kv[c]);
+      }
+#endif
+    } else {
+      __m512 kv[KC];
+      for (int c = 0; c < KC; ++c) {
+        if (c + 1 < KC || live == 0xFFFF) {
+          kv[c] = load16(kr + 16 * c);
+        } else if constexpr (std::is_same_v<T, float>) {
+          kv[c] = _mm512_maskz_loadu_ps(live, kr + 16 * c);
+        } else {
+          alignas(64) T tail[16] = {};
+          for (int t = 0; t < 16; ++t)
+            if ((live >> t) & 1) tail[t] = kr[16 * c + t];
+          kv[c] = load16(tail);
+        }
+      }
+      const float* qf = static_cast<const float*>(q);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 qj = _mm512_set1_ps(qf[j * steps + i]);
+        for (int c = 0; c < KC; ++c) acc[j][c] = _mm512_fmadd_ps(qj, kv[c], acc[j][c]);
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < KC; ++c)
+      if (c + 1 < KC) _mm512_storeu_ps(out + j * stride + 16 * c, acc[j][c]);
+      else _mm512_mask_storeu_ps(out + j * stride + 16 * c, live, acc[j][c]);
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (Sapphire Rapids and later): 16 x 16 blocks of logits from tiles, for prompt scoring in bfloat16.
+constexpr bool kAmx = true;
+
+// Linux hands out the tile registers on request, once per process.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+// Tiles 0-3: logits of 16 queries by 16 keys (float32); 4: 16 queries by 32 dimensions; 5: 16 dimension pairs of
+// 16 keys (keys packed in pairs). Each thread loads the configuration before its first tile instruction.
+void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 6; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  asm volatile("" : : "r"(&config) : "memory");  // GCC 12 drops the stores above otherwise (ldtilecfg reads them)
+  _tile_loadconfig(&config);
+}
+
+// out (rows out_stride bytes apart) <- 16 queries (a: dim bfloat16s each, rows a_stride bytes apart) times
+// KC blocks of 16 keys (b: packed pairs, rows of 16 keys b_stride bytes apart).
+template <int KC>
+inline void logits_amx(float* out, int64_t out_stride, const c10::BFloat16* a, int64_t a_stride,
+                       const c10::BFloat16* b, int64_t b_stride, int64_t dim) {
+  _tile_zero(0);
+  if constexpr (KC == 4) {
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t t = 0; t < dim; t += 32) {
+    _tile_loadd(4, a + t, a_stride);
+    const char* bt = reinterpret_cast<const char*>(b) + (t / 2) * b_stride;  // pairs t/2 .. t/2 + 15
+    _tile_loadd(5, bt, b_stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (KC == 4) {
+      _tile_loadd(5, bt + 64, b_stride);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, bt + 128, b_stride);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, bt + 192, b_stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, out, out_stride);
+  if constexpr (KC == 4) {
+    _tile_stored(1, out + 16, out_stride);
+    _tile_stored(2, out + 32, out_stride);
+    _tile_stored(3, out + 48, out_stride);
+  }
+}
+#else
+constexpr bool kAmx = false;
+bool amx_permitted() { return false; }
+void configure_tiles() {}
+template <int KC>
+inline void logits_amx(float*, int64_t, const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, int64_t) {}
+#endif
+
+// Prompt scoring: what a chunk of prompt queries adds to each key's score, logits and softmax in one pass.
+// queries [B, Hkv, G * n, D] (scaled, contiguous; row g * n + i is query head g of query i); keys packed
+// [B, Hkv, D / P, S, P] (unit strides in S and P; see pack_keys); query_positions [B, n] int64; weight [B, n]
+// float32 (0: the query adds nothing, e.g. padding or outside the observation window); key_positions
+// [B, 1 or Hkv, S] int64 (unit stride in S); window as in attend_score; noise as in attend_score with
+// noise_start [B, Hkv, G, n]. Adds, per row and KV head, the weighted sum over queries of
+// softmax((logits + noise) / tau) over the keys each query may see, to total [B, Hkv, S] float32.
+// The logits stay in float32 (eager attention in bfloat16 rounds them to bfloat16).
+template <typename T, int P>
+void score_prompt_impl(const at::Tensor& queries, int64_t groups, const at::Tensor& keys,
+                       const at::Tensor& query_positions, const at::Tensor& weight, const at::Tensor& key_positions,
+                       int64_t window, const at::Tensor& noise_table, const at::Tensor& noise_start, int64_t noise_cols,
+                       double tau, at::Tensor& total) {
+  const int64_t rows = keys.size(0), heads = keys.size(1), steps = keys.size(2), slots = keys.size(3);
+  const int64_t dim = queries.size(3), n_rows = queries.size(2), queries_per_row = n_rows / groups;
+  const T* q_ptr = queries.data_ptr<T>();
+  const T* k_ptr = keys.data_ptr<T>();
+  const int64_t k_strides[3] = {keys.stride(0), keys.stride(1), keys.stride(2)};
   const int64_t* qpos_ptr = query_positions.data_ptr<int64_t>();
   const float* w_ptr = weight.data_ptr<float>();
   const int64_t* kpos_ptr = key_positions.data_ptr<int64_t>();
@@ -583,72 +764,125 @@ void score_queries_impl(const at::Tensor& logits, int64_t groups, const at::Tens
   const bool noisy = noise_table.numel() > 0;
   const float* table = noisy ? noise_table.data_ptr<float>() : nullptr;
   const int64_t* start_ptr = noisy ? noise_start.data_ptr<int64_t>() : nullptr;
-  const int64_t col_mask = noise_cols - 1;
   const float inv_tau = static_cast<float>(1.0 / tau);
   float* total_ptr = total.data_ptr<float>();
   const int64_t total_strides[2] = {total.stride(0), total.stride(1)};
+  const int64_t stride = (slots + 15) / 16 * 16;  // a logits row, padded to whole blocks of 16
+  // AMX takes 16 queries at a time, the vector path 4.
+  const bool amx = P == 2 && kAmx && dim % 32 == 0 && amx_permitted();
+  const int64_t block = amx ? 16 : 4;
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(slots);
+    if (amx) configure_tiles();
+    std::vector<float> logits(block * stride);
+    std::vector<float> qf(P == 1 ? 4 * dim : 0);
+    std::vector<uint32_t> qw(P == 2 && !amx ? 4 * steps : 0);
+    std::vector<c10::BFloat16> padded_q(amx ? 16 * dim : 0), padded_k(amx ? 16 * dim : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / heads, h = task % heads;
       const int64_t* kp = kpos_ptr + b * kpos_strides[0] + (kpos_heads == 1 ? 0 : h) * kpos_strides[1];
+      const T* kb = k_ptr + b * k_strides[0] + h * k_strides[1];
       float* out = total_ptr + b * total_strides[0] + h * total_strides[1];
-      // A prompt chunk's keys are usually consecutive positions after any left padding: then each query
-      // sees one run of slots, and its noise is one contiguous run of its table row.
+      // A prompt chunk's keys are usually consecutive positions after any left padding.
       int64_t first = 0;
       while (first < slots && kp[first] < 0) ++first;
       bool consecutive = first < slots;
       for (int64_t s = first + 1; consecutive && s < slots; ++s) consecutive = kp[s] == kp[first] + (s - first);
-      for (int64_t g = 0; g < groups; ++g) {
-        for (int64_t i = 0; i < queries; ++i) {
-          const float w = w_ptr[b * queries + i];
-          if (w == 0.0f) continue;
-          const int64_t qpos = qpos_ptr[b * queries + i];
-          const L* lr = l_ptr + ((b * heads + h) * groups * queries + g * queries + i) * slots;
-          const int64_t start = noisy ? start_ptr[((b * heads + h) * groups + g) * queries + i] : 0;
-          if (consecutive) {
-            const int64_t p0 = kp[first];
-            int64_t lo = first, hi = std::min(slots - 1, first + (qpos - p0));  // slots [lo, hi] are visible
-            if (window > 0) lo = std::max(lo, first + (qpos - window + 1 - p0));
-            const int64_t n = hi - lo + 1;
-            if (n > 0 && (!noisy || n <= noise_cols)) {
-              // Key position p draws table[start + (p mod C)]: the row's doubled copy makes that
-              // table[row + (shift + p_lo) mod C + j] for the run's j-th key, C = noise_cols.
-              const int64_t shift = start % (2 * noise_cols);
-              const float* noise = noisy ? table + (start - shift) + ((shift + p0 + (lo - first)) & col_mask) : nullptr;
-              float* x = row.data();
-              for (int64_t j = 0; j < n; ++j) x[j] = (widen(lr[lo + j]) + (noisy ? noise[j] : 0.0f)) * inv_tau;
-              softmax_row(x, n);
-              for (int64_t j = 0; j < n; ++j) out[lo + j] += w * x[j];
-              continue;
+      for (int64_t r0 = 0; r0 < n_rows; r0 += block) {
+        const int64_t count = std::min<int64_t>(block, n_rows - r0);
+        bool any = false;
+        for (int64_t j = 0; j < count; ++j) any = any || w_ptr[b * queries_per_row + (r0 + j) % queries_per_row] != 0.0f;
+        if (!any) continue;
+        const T* q_rows = q_ptr + ((b * heads + h) * n_rows + r0) * dim;
+        bool tiled = false;  // the logits came from AMX tiles
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (amx) {
+            const c10::BFloat16* a = q_rows;
+            if (count < 16) {  // the chunk's last queries, padded with zeros to a whole tile
+              std::fill(padded_q.begin(), padded_q.end(), c10::BFloat16(0.0f));
+              std::memcpy(padded_q.data(), q_rows, count * dim * sizeof(T));
+              a = padded_q.data();
             }
+            const int64_t a_stride = dim * sizeof(T), b_stride = k_strides[2] * sizeof(T);
+            const int64_t out_stride = stride * sizeof(float);
+            int64_t s = 0;
+            for (; s + 64 <= slots; s += 64)
+              logits_amx<4>(logits.data() + s, out_stride, a, a_stride, kb + s * P, b_stride, dim);
+            for (; s + 16 <= slots; s += 16)
+              logits_amx<1>(logits.data() + s, out_stride, a, a_stride, kb + s * P, b_stride, dim);
+            if (s < slots) {  // the last keys, padded with zeros to a whole tile
+              std::fill(padded_k.begin(), padded_k.end(), c10::BFloat16(0.0f));
+              for (int64_t i = 0; i < steps; ++i)
+                std::memcpy(padded_k.data() + i * 32, kb + i * k_strides[2] + s * P, (slots - s) * P * sizeof(T));
+              logits_amx<1>(logits.data() + s, out_stride, a, a_stride, padded_k.data(), 64, dim);
+            }
+            tiled = true;
           }
-          for (int64_t s = 0; s < slots; ++s) {
-            const int64_t p = kp[s];
-            const float noise = noisy ? table[start + (p & col_mask)] : 0.0f;
-            row[s] = visible_to(p, qpos, window) ? (widen(lr[s]) + noise) * inv_tau : kNegInf;
+        }
+        if (!tiled) {
+          for (int64_t j = 0; j < 4; ++j) {  // the block's queries (the last one repeated to fill it)
+            const T* qr = q_rows + std::min(j, count - 1) * dim;
+            if constexpr (P == 2)
+              std::memcpy(qw.data() + j * steps, qr, dim * sizeof(T));
+            else
+              for (int64_t i = 0; i < dim; ++i) qf[j * dim + i] = widen(qr[i]);
           }
-          softmax_row(row.data(), slots);
-          for (int64_t s = 0; s < slots; ++s) out[s] += w * row[s];
+          const void* qdata = P == 2 ? static_cast<const void*>(qw.data()) : static_cast<const void*>(qf.data());
+          int64_t s = 0;
+#if defined(__AVX512F__)
+          for (; s + 64 <= slots; s += 64)
+            logits_4xkeys<T, P, 4>(logits.data() + s, stride, qdata, steps, kb + s * P, k_strides[2], 0xFFFF);
+          for (; s < slots; s += 16) {
+            const int64_t left = slots - s;
+            const __mmask16 live = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+            logits_4xkeys<T, P, 1>(logits.data() + s, stride, qdata, steps, kb + s * P, k_strides[2], live);
+          }
+#endif
+          for (; s < slots; ++s)  // no AVX-512: plain dot products
+            for (int64_t j = 0; j < 4; ++j) {
+              float acc = 0.0f;
+              for (int64_t i = 0; i < dim; ++i)
+                acc += (P == 2 ? widen(reinterpret_cast<const T*>(qw.data() + j * steps)[i]) : qf[j * dim + i]) *
+                       widen(kb[(i / P) * k_strides[2] + s * P + i % P]);
+              logits[j * stride + s] = acc;
+            }
+        }
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t r = r0 + j, g = r / queries_per_row, i = r % queries_per_row;
+          const float w = w_ptr[b * queries_per_row + i];
+          if (w == 0.0f) continue;
+          const int64_t start = noisy ? start_ptr[((b * heads + h) * groups + g) * queries_per_row + i] : 0;
+          add_query_row(logits.data() + j * stride, slots, kp, consecutive, first, qpos_ptr[b * queries_per_row + i],
+                        window, w, table, start, noise_cols, inv_tau, out);
         }
       }
     }
+    if (amx) _tile_release();
   });
 }
 
-void score_queries(const at::Tensor& logits, int64_t groups, const at::Tensor& query_positions,
-                   const at::Tensor& weight, const at::Tensor& key_positions, int64_t window,
-                   const at::Tensor& noise_table, const at::Tensor& noise_start, int64_t noise_cols, double tau,
-                   at::Tensor total) {
-  for (const at::Tensor* t : {&logits, &query_positions, &weight, &key_positions}) check_cpu(*t, "every input");
+// Whether score_prompt takes bfloat16 keys packed in pairs of dimensions (this CPU has AVX512-BF16).
+bool bf16_pairs() { return kPairedBf16; }
+
+void score_prompt(const at::Tensor& queries, int64_t groups, const at::Tensor& keys, const at::Tensor& query_positions,
+                  const at::Tensor& weight, const at::Tensor& key_positions, int64_t window,
+                  const at::Tensor& noise_table, const at::Tensor& noise_start, int64_t noise_cols, double tau,
+                  at::Tensor total) {
+  for (const at::Tensor* t : {&queries, &keys, &query_positions, &weight, &key_positions}) check_cpu(*t, "every input");
   check_cpu(total, "total");
-  TORCH_CHECK(logits.dim() == 4 && logits.is_contiguous() && groups > 0 && logits.size(2) % groups == 0,
-              "logits must be contiguous [B, Hkv, G * n, S]");
-  const int64_t rows = logits.size(0), heads = logits.size(1), queries = logits.size(2) / groups;
-  const int64_t slots = logits.size(3);
+  TORCH_CHECK(queries.dim() == 4 && queries.is_contiguous() && groups > 0 && queries.size(2) % groups == 0,
+              "queries must be contiguous [B, Hkv, G * n, D]");
+  TORCH_CHECK(keys.dim() == 5 && keys.scalar_type() == queries.scalar_type() && keys.stride(4) == 1 &&
+                  keys.stride(3) == keys.size(4) && keys.size(0) == queries.size(0) && keys.size(1) == queries.size(1) &&
+                  keys.size(2) * keys.size(4) == queries.size(3),
+              "keys must be packed [B, Hkv, D / P, S, P] in the queries' dtype, unit strides in S and P");
+  const int64_t pairs = keys.size(4);
+  TORCH_CHECK(pairs == 1 || (pairs == 2 && kPairedBf16 && keys.scalar_type() == at::kBFloat16),
+              "keys come in pairs only for bfloat16 on a CPU with AVX512-BF16");
+  const int64_t rows = keys.size(0), heads = keys.size(1), queries_per_row = queries.size(2) / groups;
+  const int64_t slots = keys.size(3);
   TORCH_CHECK(query_positions.scalar_type() == at::kLong && query_positions.is_contiguous() &&
-                  query_positions.numel() == rows * queries, "query_positions must be int64 [B, n]");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == rows * queries,
+                  query_positions.numel() == rows * queries_per_row, "query_positions must be int64 [B, n]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == rows * queries_per_row,
               "weight must be float32 [B, n]");
   TORCH_CHECK(key_positions.scalar_type() == at::kLong && key_positions.dim() == 3 && key_positions.stride(2) == 1 &&
                   key_positions.size(0) == rows && key_positions.size(2) == slots &&
@@ -656,20 +890,25 @@ void score_queries(const at::Tensor& logits, int64_t groups, const at::Tensor& q
               "key_positions must be int64 [B, 1 or Hkv, S] with unit stride in S");
   TORCH_CHECK(total.scalar_type() == at::kFloat && total.dim() == 3 && total.stride(2) == 1 && total.size(0) == rows &&
                   total.size(1) == heads && total.size(2) == slots, "total must be float32 [B, Hkv, S]");
-  check_noise(noise_table, noise_start, rows * heads * groups * queries, noise_cols, tau, "[B, Hkv, G, n]");
-  if (logits.scalar_type() == at::kBFloat16) {
-    score_queries_impl<c10::BFloat16>(logits, groups, query_positions, weight, key_positions, window, noise_table,
-                                      noise_start, noise_cols, tau, total);
+  check_noise(noise_table, noise_start, rows * heads * groups * queries_per_row, noise_cols, tau, "[B, Hkv, G, n]");
+  if (keys.scalar_type() == at::kBFloat16) {
+    if (pairs == 2)
+      score_prompt_impl<c10::BFloat16, 2>(queries, groups, keys, query_positions, weight, key_positions, window,
+                                          noise_table, noise_start, noise_cols, tau, total);
+    else
+      score_prompt_impl<c10::BFloat16, 1>(queries, groups, keys, query_positions, weight, key_positions, window,
+                                          noise_table, noise_start, noise_cols, tau, total);
   } else {
-    TORCH_CHECK(logits.scalar_type() == at::kFloat, "logits must be float32 or bfloat16");
-    score_queries_impl<float>(logits, groups, query_positions, weight, key_positions, window, noise_table,
-                              noise_start, noise_cols, tau, total);
+    TORCH_CHECK(keys.scalar_type() == at::kFloat, "queries and keys must be float32 or bfloat16");
+    score_prompt_impl<float, 1>(queries, groups, keys, query_positions, weight, key_positions, window, noise_table,
+                                noise_start, noise_cols, tau, total);
   }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_score", &attend_score, "one decode query per row: attention output and score contribution");
-  m.def("score_queries", &score_queries, "a chunk of prompt queries' score contributions, summed over queries");
+  m.def("score_prompt", &score_prompt, "a chunk of prompt queries' score contributions, summed over queries");
+  m.def("bf16_pairs", &bf16_pairs, "whether score_prompt takes bfloat16 keys in pairs of dimensions");
   m.def("write_slot", &write_slot, "write one token per row and KV head into its freed slot");
   m.def("lowest_unprotected", &lowest_unprotected, "per row and head, the lowest-priority slot outside the recent window");
 }
