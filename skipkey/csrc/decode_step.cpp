@@ -71,6 +71,49 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes, the same arithmetic.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// In place: row <- exp(row - top) (top: row's maximum, finite), entries of -inf (masked keys) exactly 0;
+// returns their sum.
+float exp_below(float* row, int64_t n, float top) {
+  float sum = 0.0f;
+  int64_t s = 0;
+#if defined(__AVX512F__)
+  const __m512 shift = _mm512_set1_ps(top), masked = _mm512_set1_ps(kNegInf);
+  __m512 sums = _mm512_setzero_ps();
+  for (; s < n; s += 16) {
+    const __mmask16 live = n - s >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - s)) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(masked, live, row + s);
+    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, masked, _CMP_NEQ_OQ), exp_nonpositive16(_mm512_sub_ps(x, shift)));
+    _mm512_mask_storeu_ps(row + s, live, e);
+    sums = _mm512_add_ps(sums, e);
+  }
+  sum = _mm512_reduce_add_ps(sums);
+#endif
+  for (; s < n; ++s) {
+    const float x = row[s];
+    row[s] = x == kNegInf ? 0.0f : exp_nonpositive(x - top);
+    sum += row[s];
+  }
+  return sum;
+}
+
 // In place: row <- exp(row - max(row)), entries of -inf (masked keys) exactly 0; returns their sum (0 if every
 // entry is -inf). softmax is this divided by the sum.
 float exp_shifted(float* row, int64_t n) {
@@ -86,14 +129,7 @@ float exp_shifted(float* row, int64_t n) {
     std::fill(row, row + n, 0.0f);
     return 0.0f;
   }
-  float sum = 0.0f;
-  for (s = 0; s < n; ++s) {
-    const float x = row[s];
-    const float e = exp_nonpositive(x - top);
-    row[s] = x == kNegInf ? 0.0f : e;
-    sum += row[s];
-  }
-  return sum;
+  return exp_below(row, n, top);
 }
 
 // In place: row <- softmax(row); entries of -inf (masked keys) become exactly 0.
@@ -597,12 +633,26 @@ void add_query_row(float* row, int64_t slots, const int64_t* kp, bool consecutiv
       const int64_t shift = start % (2 * noise_cols);
       const float* noise = noisy ? table + (start - shift) + ((shift + p0 + (lo - first)) & col_mask) : nullptr;
       float* x = row + lo;
-      if (noisy)
-        for (int64_t j = 0; j < n; ++j) x[j] = (x[j] + noise[j]) * inv_tau;
-      else if (inv_tau != 1.0f)
-        for (int64_t j = 0; j < n; ++j) x[j] *= inv_tau;
-      const float scale = w / exp_shifted(x, n);
-      for (int64_t j = 0; j < n; ++j) out[lo + j] += scale * x[j];
+      float top = kNegInf;  // (logits + noise) / tau in place, and their maximum, in one pass
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      __m512 tops = _mm512_set1_ps(kNegInf);
+      const __m512 inv = _mm512_set1_ps(inv_tau);
+      for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_loadu_ps(x + j);
+        if (noisy) v = _mm512_add_ps(v, _mm512_loadu_ps(noise + j));
+        v = _mm512_mul_ps(v, inv);
+        _mm512_storeu_ps(x + j, v);
+        tops = _mm512_max_ps(tops, v);
+      }
+      top = _mm512_reduce_max_ps(tops);
+#endif
+      for (; j < n; ++j) {
+        x[j] = (x[j] + (noisy ? noise[j] : 0.0f)) * inv_tau;
+        top = std::max(top, x[j]);
+      }
+      const float scale = w / exp_below(x, n, top);
+      for (j = 0; j < n; ++j) out[lo + j] += scale * x[j];
       return;
     }
   }
