@@ -1,6 +1,8 @@
-"""Two decode-step kernels measured alone, per layer: what a scoring policy's attention costs against SDPA,
-and what Keyformer's noise costs. Llama-MHA-350M's layer shape (16 heads of 64, bf16), batch 1, a 2k prompt
-at 50%: 1025 cached slots (SDPA over the full model's 2049 for reference).
+"""The KV kernels measured alone, per layer, on Llama-MHA-350M's layer shape (16 heads of 64, bf16).
+
+Decode, batch 1 and 8, a 2k prompt at 50%: 1025 cached slots (SDPA over the full model's 2049 for reference):
+what a scoring policy's attention costs against SDPA, and what Keyformer's noise costs. Prompt, batch 1, 2k and
+4k tokens: what scoring every prompt query (H2O, Keyformer) costs against the layer's causal SDPA.
 
     .venv/bin/python assets/results/decode_kernels.py > assets/results/decode_kernels.txt
 
@@ -20,7 +22,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from skipkey import kernels  # noqa: E402
-from skipkey.attention import NoiseIndex  # noqa: E402
+from skipkey import attention  # noqa: E402
+from skipkey.attention import NoiseIndex, ScoreContribution  # noqa: E402
+from skipkey.cache import LayerCache  # noqa: E402
 from skipkey.noise import gumbel_noise  # noqa: E402
 from skipkey.provenance import machine_description  # noqa: E402
 
@@ -42,15 +46,16 @@ def per_call_us(fn, layers: int = LAYERS, rounds: int = 5, between=None) -> floa
     return total / rounds / layers * 1e6
 
 
-def main() -> None:
+def decode(batch: int) -> None:
     torch.manual_seed(0)
-    keys = [torch.randn(1, HEADS, SLOTS, DIM, dtype=DTYPE) for _ in range(LAYERS)]
-    values = [torch.randn(1, HEADS, SLOTS, DIM, dtype=DTYPE) for _ in range(LAYERS)]
-    full_keys = [torch.randn(1, HEADS, FULL_SLOTS, DIM, dtype=DTYPE) for _ in range(LAYERS)]
-    full_values = [torch.randn(1, HEADS, FULL_SLOTS, DIM, dtype=DTYPE) for _ in range(LAYERS)]
+    shape = (batch, HEADS, SLOTS, DIM)
+    keys = [torch.randn(shape, dtype=DTYPE) for _ in range(LAYERS)]
+    values = [torch.randn(shape, dtype=DTYPE) for _ in range(LAYERS)]
+    full_keys = [torch.randn(batch, HEADS, FULL_SLOTS, DIM, dtype=DTYPE) for _ in range(LAYERS)]
+    full_values = [torch.randn(batch, HEADS, FULL_SLOTS, DIM, dtype=DTYPE) for _ in range(LAYERS)]
     weights = [torch.randn(4096, 1024, dtype=DTYPE) for _ in range(LAYERS)]
-    x = torch.randn(1, 1024, dtype=DTYPE)
-    query = torch.randn(1, HEADS, 1, DIM, dtype=DTYPE)
+    x = torch.randn(batch, 1024, dtype=DTYPE)
+    query = torch.randn(batch, HEADS, 1, DIM, dtype=DTYPE)
 
     def stream_weights(i):
         x @ weights[i].T
@@ -66,28 +71,59 @@ def main() -> None:
         probs = torch.softmax(logits, dim=-1)
         torch.matmul(probs.to(DTYPE), values[i])
 
-    positions = torch.randperm(2100)[:SLOTS].view(1, 1, SLOTS).expand(1, HEADS, SLOTS).contiguous()
-    where = NoiseIndex(3, torch.tensor([[2100]]), positions, None, 4096)
+    positions = torch.stack([torch.randperm(2100)[:SLOTS] for _ in range(batch)])[:, None].expand(shape[:3]).contiguous()
+    where = NoiseIndex(3, torch.full((batch, 1), 2100), positions, None, 4096)
 
     def noise(i):
-        gumbel_noise(0, where, (1, HEADS, 1, 1, SLOTS))
+        gumbel_noise(0, where, (batch, HEADS, 1, 1, SLOTS))
 
     fused = kernels.for_tensors(keys[0])
-    qpos, scores = torch.tensor([2100]), torch.zeros(1, HEADS, SLOTS)
+    qpos, scores = torch.full((batch,), 2100), torch.zeros(batch, HEADS, SLOTS)
     none, no_start = torch.empty(0), torch.empty(0, dtype=torch.long)
 
     def fused_scoring(i):  # the same, fused (skipkey.kernels.attend_score, H2O's contribution)
         fused.attend_score(query, 1.0, keys[i], values[i], positions, qpos, 0, True, scores, True, none, no_start,
                            8192, 1.0)
 
-    print(f"# {' '.join(sys.argv)}\n# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"{machine_description(torch.device('cpu'))}\n# microseconds per layer and decode step, batch 1")
+    print(f"# decode: microseconds per layer and step, batch {batch}")
     for name, fn in [("SDPA over 2049 slots (full model)", sdpa_full), ("SDPA over 1025 slots", sdpa),
                      ("scoring attention over 1025 slots", scoring),
                      *([("fused scoring attention, 1025 slots", fused_scoring)] if fused else []),
                      ("Keyformer noise for 1025 slots", noise)]:
-        print(f"{name:<36} cold {per_call_us(fn, between=stream_weights):8.1f}   warm {per_call_us(fn, layers=1, rounds=200):8.1f}",
-              flush=True)
+        print(f"{name:<36} cold {per_call_us(fn, between=stream_weights):8.1f}   "
+              f"warm {per_call_us(fn, layers=1, rounds=200 // batch):8.1f}", flush=True)
+
+
+def prompt(tokens: int) -> None:
+    """One layer's prompt attention against scoring every prompt query (``attention.accumulate_scores``)."""
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(1, HEADS, tokens, DIM, dtype=DTYPE) for _ in range(3))
+    positions = torch.arange(tokens)[None]
+
+    def sdpa(_):
+        F.scaled_dot_product_attention(query, key, value, is_causal=True)
+
+    def score(contribution):
+        def run(_):
+            layer = LayerCache(None)
+            layer.write(key, value, positions, dense=True)
+            attention.accumulate_scores(layer, 3, query, key, DIM ** -0.5, positions, contribution,
+                                        position_limit=tokens)
+        return run
+
+    print(f"# prompt of {tokens} tokens: milliseconds per layer, batch 1 (the kernels {'on' if kernels.enabled() else 'off'})")
+    for name, fn in [("causal SDPA (the prompt's attention)", sdpa), ("H2O scoring every query", score(ScoreContribution())),
+                     ("Keyformer scoring (noise, tau 1)", score(ScoreContribution(1.0, 0)))]:
+        print(f"{name:<36} {per_call_us(fn, layers=1, rounds=3) / 1e3:8.1f}", flush=True)
+
+
+def main() -> None:
+    print(f"# {' '.join(sys.argv)}\n# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"{machine_description(torch.device('cpu'))}")
+    for batch in (1, 8):
+        decode(batch)
+    for tokens in (2048, 4096):
+        prompt(tokens)
 
 
 if __name__ == "__main__":
