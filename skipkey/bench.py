@@ -202,6 +202,7 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
             "speedup_vs_full": vs_full,
             "ttft_vs_full": ttft_vs_full,
             "speedup_range": [min(r for r, _ in v.ratios), max(r for r, _ in v.ratios)] if v.ratios else None,
+            "ttft_range": [min(t for _, t in v.ratios), max(t for _, t in v.ratios)] if v.ratios else None,
             "speedup_vs_generate": tps / gen_tps if gen_tps else None,
             "kv_share_of_full": (v.median("kv_bytes") / full_kv) if full_kv and v.median("kv_bytes") else None,
             "nominal_speedup": v.median("nominal_speedup"),

@@ -4,6 +4,8 @@
 
 One row per (model, prompt, batch, policy): decode tok/s (each row's own median), the lockstep "vs full" with the
 range over runs (where there were several), the memory-traffic limit, the measured speedup over it, TTFT vs full and the KV cache held (MiB).
+Then the time-to-first-token run at 4k (five alternating repeats): each policy's median TTFT and the median and range
+of its runs' own ratios to the full model's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ HERE = Path(__file__).resolve().parent
 FILES = [("llama-mha-350m", "bench_kv_llama350m_2k.json"), ("llama-mha-350m", "bench_kv_llama350m_4k.json"),
          ("llama-mha-350m", "bench_kv_llama350m_2k_b8.json"), ("llama-mha-350m", "bench_kv_llama350m_4k_b8.json"),
          ("embedded", "bench_kv_embedded.json")]
+TTFT = "bench_kv_llama350m_4k_ttft.json"
 
 
 def policy_name(variant: str) -> str:
@@ -38,6 +41,18 @@ def main() -> None:
                 print(f"| {model} | {row.get('prompt', prompt)} | {run['batch']} | {policy_name(row['variant'])} "
                       f"| {row['tokens_per_s']:.1f} | {ratio} | {row['ideal_ratio']:.2f}x "
                       f"| {row['measured_over_ideal']:.2f} | {row['ttft_vs_full']:.2f}x | {row['kv_bytes'] / 2**20:.1f} |")
+
+    path = HERE / TTFT
+    if not path.exists():
+        return
+    for run in json.loads(path.read_text()):
+        print(f"\n{run['repeats']} runs beside the full model, prompt {run['prompt_tokens']}, batch {run['batch']}\n")
+        print("| policy | TTFT s (median) | TTFT vs full (runs' range) |")
+        print("|---|---|---|")
+        for row in run["rows"]:
+            spread = row.get("ttft_range")
+            ratio = f"{row['ttft_vs_full']:.2f}x" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread else "")
+            print(f"| {policy_name(row['variant'])} | {row['ttft_s']:.2f} | {ratio} |")
 
 
 if __name__ == "__main__":

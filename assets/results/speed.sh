@@ -40,6 +40,11 @@ $py --model random:llama-mha-350m --prompt-tokens 2048 --max-new-tokens 24 --bat
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_2k.json
 $py --model random:llama-mha-350m --prompt-tokens 4096 --max-new-tokens 24 --batch 1 --warmup 1 --repeats 1 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_4k.json
+# Time to first token alone at 4k (the rows above have one or two prompt passes each, and this VM's drift moves a
+# single pass by 10-30%): five alternating repeats of the policies that score the prompt.
+$py --model random:llama-mha-350m --prompt-tokens 4096 --max-new-tokens 2 --batch 1 --warmup 1 --repeats 5 \
+    --no-generate --compare-kv h2o keyformer tova snapkv keyformer:observe=8,pool=7 --kv-budget 0.5 \
+    --output $out/bench_kv_llama350m_4k_ttft.json
 $py --model random:llama-mha-350m --prompt-tokens 2048 --max-new-tokens 16 --batch 8 --warmup 0 --repeats 1 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_2k_b8.json
 $py --model random:llama-mha-350m --prompt-tokens 4096 --max-new-tokens 16 --batch 8 --warmup 0 --repeats 1 \
