@@ -81,10 +81,10 @@ def enabled() -> bool:
 
 def pack_keys(module, keys: torch.Tensor) -> torch.Tensor:
     """``keys`` [B, H, S, D] as ``score_prompt`` reads them, [B, H, D / P, S, P]: for each pair of dimensions
-    (P = 2: bfloat16 on a CPU with AVX512-BF16) or each dimension (P = 1), sixteen keys side by side."""
+    (P = 2: bfloat16 on a CPU with AVX512-BF16) or each dimension (P = 1), the keys side by side."""
     b, h, s, d = keys.shape
     pairs = 2 if keys.dtype == torch.bfloat16 and d % 2 == 0 and module.bf16_pairs() else 1
-    return keys.view(b, h, s, d // pairs, pairs).permute(0, 1, 3, 2, 4).contiguous()
+    return keys.reshape(b, h, s, d // pairs, pairs).permute(0, 1, 3, 2, 4).contiguous()
 
 
 def for_tensors(*tensors: torch.Tensor):
