@@ -128,6 +128,37 @@ def test_prompt_scores_equal_the_eager_ones(monkeypatch, fused, dtype, window, c
     torch.testing.assert_close(results[0], results[1], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_queries_past_the_noise_row_are_scored_one_by_one_beside_the_block(monkeypatch, fused, dtype):
+    """A query seeing more keys than a noise row holds takes the per-query path, while the queries before it in
+    the same block of 16 are added together: with 32-column rows, a 40-token prompt mixes both in one block."""
+    import skipkey.noise as noise
+    cols = 32
+    for module in (noise, attention):
+        monkeypatch.setattr(module, "NOISE_COLS", cols)
+    for cached in (noise.noise_table, noise._query_table):
+        cached.cache_clear()
+    monkeypatch.setattr(noise, "NOISE_ROWS", 16)
+    torch.manual_seed(3)
+    b, h, s, d = 1, 2, 40, 64
+    query, key = torch.randn(b, h, s, d).to(dtype), torch.randn(b, h, s, d).to(dtype)
+    qpos = torch.arange(s)[None]
+    results = []
+    try:
+        for switch in ("1", "0"):
+            monkeypatch.setenv(kernels.SWITCH, switch)
+            layer = LayerCache(None)
+            layer.write(key, key, qpos, dense=False)
+            attention.accumulate_scores(layer, 3, query, key, d ** -0.5, qpos, ScoreContribution(1.0, 5),
+                                        position_limit=s)
+            results.append(layer.scores)
+    finally:
+        for cached in (noise.noise_table, noise._query_table):
+            cached.cache_clear()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(results[0], results[1], rtol=tol, atol=tol)
+
+
 def test_attend_score_draws_the_noise_gumbel_noise_draws(fused):
     """The kernel's noise index (start + key position mod the table width) is ``gumbel_noise``'s."""
     torch.manual_seed(1)
