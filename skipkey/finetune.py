@@ -25,7 +25,8 @@ The steps, in order (``train`` runs them):
    engine, as the evaluation's references are made), the text windows as they
    are, and the full model's top-k log-probabilities at every continuation
    position, for self-distillation. Cached under the SkipKey cache, so a resumed
-   run does not redo it.
+   run does not redo it, and kept chunk by chunk while it is built, so a stopped
+   build resumes too.
 3. The loop: per batch a schedule (a target speedup drawn uniformly from a
    range, or one fixed target, with the measured-best shape for it; on a
    ``full_depth_share`` of batches every layer, for an adapter that applies at
@@ -48,6 +49,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -194,48 +196,68 @@ def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> di
     ``cfg.sequences`` are the full model's greedy continuations of training prompts
     (as the evaluation's references are made); ``cfg.text_sequences`` are windows of
     offline text (``prompts.training_text``), whose continuation is the text itself.
+    Each finished chunk of ``chunk`` sequences is kept beside the cache file until the
+    whole set is, so a build stopped part way (a long one spans sessions) resumes at
+    the first unfinished chunk; the chunks are functions of the settings alone, so the
+    result is the one an unstopped build gives.
     """
     path = _data_path(loaded, cfg)
     if path.is_file():
         log(f"data: cached {path}")
         return torch.load(path)
+    parts_dir = path.with_suffix(".parts")
     engine = Engine(loaded)
     arch = engine.arch
     settings = GenerationSettings(max_new_tokens=cfg.gen_len, ignore_eos=True)  # as the eval's references
     prompts = training_prompts(cfg.sequences, cfg.seed) if cfg.sequences else []
-    parts, sources = [], []
-    started = time.perf_counter()
-    for first in range(0, len(prompts), chunk):
+    windows = (training_text(loaded.tokenizer, cfg.text_sequences, cfg.text_prompt_len, cfg.gen_len, cfg.seed)
+               if cfg.text_sequences else [])
+
+    def continuations(first):
         ids = engine.encode(prompts[first:first + chunk], cfg.gen_len)
         steps = [event.tokens for event in engine.generate(ids, settings)]
-        part = {"prompt_ids": ids, "continuations": torch.tensor(steps).T}
+        return {"prompt_ids": ids, "continuations": torch.tensor(steps).T}
+
+    def text(first):
+        rows = windows[first:first + chunk]
+        return {"prompt_ids": [w[:cfg.text_prompt_len] for w in rows],
+                "continuations": torch.tensor([w[cfg.text_prompt_len:] for w in rows])}
+
+    jobs = ([("continuation", first, continuations) for first in range(0, len(prompts), chunk)]
+            + [("text", first, text) for first in range(0, len(windows), chunk)])
+    parts, kept = [], 0
+    for index, (source, first, make) in enumerate(jobs):
+        file = parts_dir / f"{index:05d}.pt"
+        if file.is_file():
+            parts.append(torch.load(file))
+            kept += 1
+            continue
+        if kept and len(parts) == kept:
+            log(f"data: resumed after {kept} of {len(jobs)} chunks kept in {parts_dir}")
+        started = time.perf_counter()
+        part = make(first)
         part["teacher_logp"], part["teacher_ids"] = _teacher(arch, part, cfg.gen_len)
+        part["source"], part["seconds"] = source, time.perf_counter() - started
+        parts_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(part, file.with_suffix(".tmp"))
+        os.replace(file.with_suffix(".tmp"), file)
         parts.append(part)
-        sources += ["continuation"] * len(ids)
-        done = len(sources)
-        rate = (time.perf_counter() - started) / done
-        log(f"data: {done}/{len(prompts)} continuations, {rate:.2f} s each, "
-            f"ETA {rate * (len(prompts) - done) / 60:.1f} min")
-    generation_s = time.perf_counter() - started
-    if cfg.text_sequences:
-        windows = training_text(loaded.tokenizer, cfg.text_sequences, cfg.text_prompt_len, cfg.gen_len, cfg.seed)
-        for first in range(0, len(windows), chunk):
-            rows = windows[first:first + chunk]
-            part = {"prompt_ids": [w[:cfg.text_prompt_len] for w in rows],
-                    "continuations": torch.tensor([w[cfg.text_prompt_len:] for w in rows])}
-            part["teacher_logp"], part["teacher_ids"] = _teacher(arch, part, cfg.gen_len)
-            parts.append(part)
-            sources += ["text"] * len(rows)
-            if (first // chunk) % 8 == 0:
-                log(f"data: {first + len(rows)}/{len(windows)} text windows")
+        made = len(parts) - kept
+        rate = sum(p["seconds"] for p in parts[kept:]) / made
+        log(f"data: {len(parts)}/{len(jobs)} chunks ({source}s), {rate / chunk:.2f} s per sequence, "
+            f"ETA {rate * (len(jobs) - len(parts)) / 60:.1f} min")
+    sources = [part["source"] for part in parts for _ in part["prompt_ids"]]
     data = {"prompts": prompts, "prompt_ids": [p for part in parts for p in part["prompt_ids"]],
             "continuations": torch.cat([part["continuations"] for part in parts]).cpu(),
             "teacher_logp": torch.cat([part["teacher_logp"] for part in parts]),
             "teacher_ids": torch.cat([part["teacher_ids"] for part in parts]),
-            "sources": sources, "generation_seconds": generation_s, "seconds": time.perf_counter() - started}
+            "sources": sources,
+            "generation_seconds": sum(p["seconds"] for p in parts if p["source"] == "continuation"),
+            "seconds": sum(p["seconds"] for p in parts)}
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)
+    shutil.rmtree(parts_dir, ignore_errors=True)
     log(f"data: {len(sources)} sequences in {data['seconds'] / 60:.1f} min, cached in {path}")
     return data
 

@@ -55,6 +55,42 @@ def trained(tmp_path_factory):
     return lm, cfg, data
 
 
+def test_a_stopped_data_build_resumes_at_its_first_unfinished_chunk_and_gives_the_unstopped_result(tmp_path,
+                                                                                                monkeypatch):
+    import skipkey.finetune as finetune
+
+    lm = tiny_model("gemma3")
+    cfg = FinetuneConfig(model=lm.name, out=str(tmp_path / "lora"), **{**TINY, "text_sequences": 6,
+                                                                       "text_prompt_len": 4})
+    monkeypatch.setenv("SKIPKEY_CACHE", str(tmp_path / "whole"))
+    whole = build_dataset(lm, cfg, log=quiet, chunk=4)  # 4 chunks of continuations, 2 of text
+
+    monkeypatch.setenv("SKIPKEY_CACHE", str(tmp_path / "stopped"))
+    teacher, calls = finetune._teacher, []
+
+    def stops_at_the_fourth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return teacher(*args, **kwargs)
+
+    monkeypatch.setattr(finetune, "_teacher", stops_at_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        build_dataset(lm, cfg, log=quiet, chunk=4)
+    monkeypatch.setattr(finetune, "_teacher", teacher)
+    (parts_dir,) = (tmp_path / "stopped").rglob("*.parts")
+    assert sorted(p.name for p in parts_dir.iterdir()) == ["00000.pt", "00001.pt", "00002.pt"]
+    said = []
+    resumed = build_dataset(lm, cfg, log=said.append, chunk=4)
+    assert said[0] == f"data: resumed after 3 of 6 chunks kept in {parts_dir}"
+    assert [m.split(" chunks")[0] for m in said[1:4]] == ["data: 4/6", "data: 5/6", "data: 6/6"]
+    assert not parts_dir.exists()  # gone once the whole set is cached
+    assert resumed["sources"] == whole["sources"] == ["continuation"] * 16 + ["text"] * 6
+    assert resumed["prompt_ids"] == whole["prompt_ids"]
+    for key in ("continuations", "teacher_logp", "teacher_ids"):
+        assert torch.equal(resumed[key], whole[key]), key
+
+
 def test_training_prompts_are_seeded_varied_and_never_held_out():
     prompts = training_prompts(200, seed=3)
     assert prompts == training_prompts(200, seed=3) != training_prompts(200, seed=4)
