@@ -50,6 +50,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -545,7 +546,10 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
                      "min_lr_ratio": cfg.min_lr_ratio, "kl_weight": cfg.kl_weight, "optimizer": "AdamW",
                      "grad_clip": GRAD_CLIP, "dtype": str(train_dtype or loaded.dtype).replace("torch.", ""),
                      "device": str(loaded.device), "threads": torch.get_num_threads(),
-                     "minutes": round(seconds / 60, 1)},
+                     # The sum of the steps' wall times (other jobs on the machine slow them), and the median
+                     # step, which they hardly move: median x steps is what the run costs on a quiet machine.
+                     "minutes": round(seconds / 60, 1),
+                     "median_step_seconds": statistics.median(h["seconds"] for h in history) if history else None},
         "loss": {"first_10": {k: mean(k, history[:10]) for k in ("loss", "lm", "kl")},
                  "last_10": {k: mean(k, history[-10:]) for k in ("loss", "lm", "kl")},
                  "curve": [[h["step"], round(h["loss"], 4), round(h["lm"], 4), round(h["kl"], 4), h["target"]]
