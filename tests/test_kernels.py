@@ -129,9 +129,10 @@ def test_prompt_scores_equal_the_eager_ones(monkeypatch, fused, dtype, window, c
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompt_queries_past_the_noise_row_are_scored_one_by_one_beside_the_block(monkeypatch, fused, dtype):
-    """A query seeing more keys than a noise row holds takes the per-query path, while the queries before it in
-    the same block of 16 are added together: with 32-column rows, a 40-token prompt mixes both in one block."""
+def test_prompt_queries_past_the_noise_row_take_the_general_path_beside_the_fast_one(monkeypatch, fused, dtype):
+    """A query seeing more keys than a noise row holds takes the general path (noise gathered key by key), the
+    queries before it the fast one (one contiguous run): with 32-column rows, a 40-token prompt mixes both in
+    one block of queries."""
     import skipkey.noise as noise
     cols = 32
     for module in (noise, attention):
