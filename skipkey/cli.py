@@ -399,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of KL(full model || skipping model) added to the LM loss; 0 = LM loss only")
     p.add_argument("--targets", type=float, nargs="+", default=[1.5, 3.0],
                    help="one nominal speedup (fixed schedule) or LOW HIGH (drawn uniformly per batch)")
+    p.add_argument("--skip-policy", choices=LAYER_POLICIES, default="top",
+                   help="the layer policy to train with: the paper's top layers, or the layers each batch's "
+                        "prompts rank most important (the adapter is then for that policy)")
     p.add_argument("--gen-len", type=int, default=64, help="continuation tokens per training sequence")
     p.add_argument("--sequences", type=int, default=320,
                    help="training sequences: the full model's continuations of training prompts")

@@ -28,7 +28,9 @@ The steps, in order (``train`` runs them):
    run does not redo it, and kept chunk by chunk while it is built, so a stopped
    build resumes too.
 3. The loop: per batch a schedule (a target speedup drawn uniformly from a
-   range, or one fixed target, with the measured-best shape for it; on a
+   range, or one fixed target, with the measured-best shape for it, and the
+   layer policy: the paper's ``top``, or ``importance`` ranked by the batch's
+   prompts as the engine ranks a batch's; on a
    ``full_depth_share`` of batches every layer, for an adapter that applies at
    every step); the batched teacher-forced forward with ``E(t)`` in place;
    loss = LM loss on the full model's next tokens
@@ -76,7 +78,7 @@ from skipkey.lora import (
 from skipkey.prompts import TRAINING_PROMPTS_VERSION, TRAINING_TEXT_VERSION, training_prompts, training_text
 from skipkey.provenance import command_line
 from skipkey.schedules import MEASURED_SHAPES, shapes_to_json
-from skipkey.skipdecode import make_skipdecode
+from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
 from skipkey.teacher_forced import teacher_forced_logits_batch
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -100,6 +102,7 @@ class FinetuneConfig:
     alpha: float = 16.0
     kl_weight: float = 1.0
     targets: tuple[float, ...] = (1.5, 3.0)  # one value: fixed; two: uniform range, drawn per batch
+    skip_policy: str = "top"  # the layer policy in the forward pass (and the one the adapter is for)
     gen_len: int = 64  # continuation tokens; the schedule covers their decode steps
     sequences: int = 320  # the full model's continuations of training prompts
     text_sequences: int = 0  # windows of offline text (help topics, stdlib source), the teacher's log-probs on them
@@ -130,6 +133,8 @@ class FinetuneConfig:
                              f"got {self.sequences} + {self.text_sequences}")
         require_int("text_prompt_len", self.text_prompt_len, 1, 4096)
         require_float("full_depth_share", self.full_depth_share, 0.0, 1.0)
+        if self.skip_policy not in LAYER_POLICIES:
+            raise InputError(f"skip_policy must be one of {', '.join(LAYER_POLICIES)}, got {self.skip_policy!r}")
         if self.applies_at not in APPLIES_AT:
             raise InputError(f"applies_at must be one of {', '.join(APPLIES_AT)}, got {self.applies_at!r}")
         require_int("min_skipped", self.min_skipped, 1, 1024)
@@ -263,6 +268,33 @@ def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> di
     return data
 
 
+def prompt_importance(loaded, cfg: FinetuneConfig, data: dict, log=print) -> torch.Tensor:
+    """``[N, L]``: each training sequence's layer importance on its own prompt (the engine's measure,
+    ``schedules.layer_importance``, from the full model's prompt pass), cached beside the data.
+
+    A batch's importance is the token-weighted mean of its rows' (``batch_importance``):
+    the mean over all its prompt tokens, which is what the engine measures on a batch.
+    """
+    path = _data_path(loaded, cfg).with_suffix(".importance.pt")
+    if path.is_file():
+        return torch.load(path)
+    engine = Engine(loaded)
+    started = time.perf_counter()
+    rows = [engine.prompt_pass([ids]).importance for ids in data["prompt_ids"]]
+    importance = torch.tensor(rows, dtype=torch.float64)
+    torch.save(importance, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
+    log(f"data: layer importance of {len(rows)} prompts in {(time.perf_counter() - started) / 60:.1f} min, "
+        f"cached in {path}")
+    return importance
+
+
+def batch_importance(importance: torch.Tensor, data: dict, rows: list[int]) -> list[float]:
+    """The batch's layer importance: its rows' weighted by their prompt tokens."""
+    tokens = torch.tensor([len(data["prompt_ids"][r]) for r in rows], dtype=torch.float64)
+    return ((importance[rows] * tokens[:, None]).sum(0) / tokens.sum()).tolist()
+
+
 def epoch_batches(prompt_lens: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
     """One epoch's batches: shuffled, then rows of similar prompt length together (less padding to run)."""
     rng = random.Random(seed * 7919 + epoch)
@@ -313,17 +345,19 @@ def make_batch(data: dict, rows: list[int], gen_len: int) -> dict:
 
 
 # -- schedule, loss, learning rate ----------------------------------------------------------
-def draw_layer_sets(num_layers: int, cfg: FinetuneConfig, step: int) -> tuple[float, list[tuple[int, ...]] | None]:
-    """This step's target speedup and its ``E(t)``, seeded by step: the paper's top-layer policy with the
-    measured-best shape for the target; or, on a ``full_depth_share`` of steps, 1.0 and ``None`` (every
-    layer, so the KL term holds the tuned model's full-depth path on the original's)."""
+def draw_layer_sets(num_layers: int, cfg: FinetuneConfig, step: int,
+                    importance: list[float] | None = None) -> tuple[float, list[tuple[int, ...]] | None]:
+    """This step's target speedup and its ``E(t)``, seeded by step: ``cfg.skip_policy`` (``importance``
+    ranks the layers by the batch's measured ``importance``) with the measured-best shape for the target;
+    or, on a ``full_depth_share`` of steps, 1.0 and ``None`` (every layer, so the KL term holds the tuned
+    model's full-depth path on the original's)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     low, high = cfg.targets[0], cfg.targets[-1]
     target = low if low == high else rng.uniform(low, high)
     if cfg.full_depth_share and rng.random() < cfg.full_depth_share:
         return 1.0, None
-    skip = make_skipdecode(num_layers, cfg.schedule_steps, target=target)
-    return target, skip.plan(num_layers).layer_sets(cfg.schedule_steps)
+    skip = make_skipdecode(num_layers, cfg.schedule_steps, target=target, policy=cfg.skip_policy)
+    return target, skip.plan(num_layers, importance).layer_sets(cfg.schedule_steps)
 
 
 def distill_kl(logq: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
@@ -417,8 +451,9 @@ def load_checkpoint(path: Path, peft_model, optimizer, cfg: FinetuneConfig) -> d
         state = torch.load(path)
     except Exception as error:
         raise ModelLoadError(f"Cannot read the checkpoint {path}: {error}; pass --restart to start over.") from error
-    if state.get("config") != _resume_key(cfg):
-        theirs = state.get("config") or {}
+    # A checkpoint written before a setting existed ran at that setting's default.
+    theirs = {**_resume_key(FinetuneConfig()), **(state.get("config") or {})}
+    if theirs != _resume_key(cfg):
         diff = {k: (theirs.get(k), v) for k, v in _resume_key(cfg).items() if theirs.get(k) != v}
         raise InputError(f"the checkpoint in {path.parent} was made with other settings "
                          f"({', '.join(f'{k}: {a} there, {b} now' for k, (a, b) in diff.items())}); "
@@ -459,6 +494,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
         make_skipdecode(num_layers, cfg.schedule_steps, target=target)
     base_fingerprint, targets = fingerprint(loaded.model), lora_targets(loaded.model)
     data = build_dataset(loaded, cfg, log)
+    importance = prompt_importance(loaded, cfg, data, log) if cfg.skip_policy == "importance" else None
     device = next(loaded.model.parameters()).device
     student = loaded.model
     train_dtype = resolve_dtype(cfg.train_dtype, loaded.device) if cfg.train_dtype else loaded.dtype
@@ -482,9 +518,11 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
             lr = learning_rate(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            target, layer_sets = draw_layer_sets(num_layers, cfg, step)
+            rows = batch_rows(data, step, cfg)
+            target, layer_sets = draw_layer_sets(num_layers, cfg, step, None if importance is None
+                                                 else batch_importance(importance, data, rows))
             batch = {k: v.to(device) if torch.is_tensor(v) else v
-                     for k, v in make_batch(data, batch_rows(data, step, cfg), cfg.gen_len).items()}
+                     for k, v in make_batch(data, rows, cfg.gen_len).items()}
             loss, lm, kl = skipdecode_loss(arch, batch, layer_sets, cfg.kl_weight, gate)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params.values(), GRAD_CLIP)
@@ -523,8 +561,11 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
         "base_model": loaded.name,
         "base_fingerprint": base_fingerprint,
         "method": "SkipDecode (Del Corro et al. 2023, arXiv 2307.02628) fine-tuning with LoRA adapters; "
-                  "the paper's top-layer policy in the forward pass",
-        "schedule": {"policy": "top", "shapes": shapes_to_json({"top": MEASURED_SHAPES["top"]}),
+                  + ("the paper's top-layer policy in the forward pass" if cfg.skip_policy == "top" else
+                     "the importance policy in the forward pass: each batch's layers ranked by the change they "
+                     "make on its prompts (skipkey.schedules.layer_importance), as the engine ranks a batch's"),
+        "schedule": {"policy": cfg.skip_policy,
+                     "shapes": shapes_to_json({cfg.skip_policy: MEASURED_SHAPES[cfg.skip_policy]}),
                      "rule": "skipkey.schedules.ScheduleShape.schedule: the nearest target's shape",
                      "targets": list(cfg.targets),
                      "draw": "fixed" if len(cfg.targets) == 1 else "uniform per batch",
@@ -567,6 +608,7 @@ def main(args) -> int:
     cfg = FinetuneConfig(model=args.model, out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, rank=args.rank,
                          alpha=args.alpha, kl_weight=args.kl_weight, targets=tuple(args.targets),
+                         skip_policy=args.skip_policy,
                          gen_len=args.gen_len, sequences=args.sequences, text_sequences=args.text_sequences,
                          text_prompt_len=args.text_prompt_len, full_depth_share=args.full_depth_share,
                          applies_at=args.applies_at, min_skipped=args.min_skipped,

@@ -52,6 +52,8 @@ class SkipDecode:
             policy = TopLayers(num_layers, warmup=self.schedule.warmup)
         else:
             scores = self.importance if self.importance is not None else measured
+            if scores is None:
+                raise InputError("the importance policy needs layer scores: calibrated, or measured on the prompt")
             policy = ImportanceLayers.from_scores(scores)
         return SkipPlan(self.schedule, policy, num_layers)
 

@@ -16,9 +16,11 @@ from skipkey.engine import Engine
 from skipkey.finetune import (
     FinetuneConfig,
     SkippingGate,
+    batch_importance,
     build_dataset,
     draw_layer_sets,
     make_batch,
+    prompt_importance,
     skipdecode_loss,
     train,
 )
@@ -250,6 +252,76 @@ def test_checkpoint_and_resume_give_the_same_state(cache):
     assert losses[0] == losses[1]
 
 
+def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default_only(cache):
+    import skipkey.finetune as finetune
+
+    cfg = FinetuneConfig(model="tiny-gemma3", out=str(cache / "old"), **{**TINY, "steps": 2})
+    train(cfg, tiny_model("gemma3"), work_dir=cache / "w", log=quiet)
+    ckpt = cache / "w" / finetune.CHECKPOINT_FILE
+    state = torch.load(ckpt)
+    del state["config"]["skip_policy"]  # as written before --skip-policy existed
+    torch.save(state, ckpt)
+    longer = dataclasses.replace(cfg, steps=3)
+    with pytest.raises(InputError, match="skip_policy: top there, importance now"):
+        train(dataclasses.replace(longer, skip_policy="importance"), tiny_model("gemma3"), work_dir=cache / "w",
+              resume=True, log=quiet)
+    with pytest.raises(InputError, match="steps: 2 there, 3 now"):  # every other setting must still match
+        train(longer, tiny_model("gemma3"), work_dir=cache / "w", resume=True, log=quiet)
+    said = []
+    train(cfg, tiny_model("gemma3"), work_dir=cache / "w", resume=True, log=said.append)
+    assert "resumed from step 2" in said[1]
+
+
+def test_a_batch_importance_is_the_engines_measure_on_that_batch_and_ranks_its_layer_sets(cache):
+    lm = tiny_model("gemma3")
+    cfg = FinetuneConfig(model=lm.name, out=str(cache / "x"), **{**TINY, "skip_policy": "importance",
+                                                                  "text_sequences": 4, "text_prompt_len": 5})
+    data = build_dataset(lm, cfg, log=quiet)
+    importance = prompt_importance(lm, cfg, data, log=quiet)
+    assert importance.shape == (len(data["prompt_ids"]), lm.num_layers)
+    assert torch.equal(prompt_importance(lm, cfg, data, log=quiet), importance)  # cached
+    rows = [0, 5, 17, 19]  # prompts of different lengths: the engine left-pads them
+    assert len({len(data["prompt_ids"][r]) for r in rows}) > 1
+    measured = Engine(lm).prompt_pass([data["prompt_ids"][r] for r in rows]).importance
+    scores = batch_importance(importance, data, rows)
+    torch.testing.assert_close(torch.tensor(scores, dtype=torch.float64), torch.tensor(measured, dtype=torch.float64),
+                               rtol=1e-4, atol=1e-6)
+
+    _, layer_sets = draw_layer_sets(lm.num_layers, cfg, 0, scores)
+    ranked = sorted(range(1, lm.num_layers - 1), key=lambda l: (-scores[l], l))  # the first and last are pinned
+    for layers in layer_sets:
+        dropped = set(range(lm.num_layers)) - set(layers)
+        assert dropped == set(ranked[len(ranked) - len(dropped):])  # always the least important
+    assert any(len(layers) < lm.num_layers for layers in layer_sets)
+    with pytest.raises(InputError, match="needs layer scores"):
+        draw_layer_sets(lm.num_layers, cfg, 0)  # the importance policy needs the batch's scores
+
+
+def test_an_importance_adapter_trains_records_its_policy_and_the_cli_serves_it_so(cache, capsys):
+    from skipkey.cli import build_parser, skipdecode_from
+    from skipkey.lora import adapter_schedule, read_metadata
+
+    lm = tiny_model("gemma3")
+    cfg = FinetuneConfig(model=lm.name, out=str(cache / "imp"), **{**TINY, "skip_policy": "importance",
+                                                                    "steps": 20})
+    meta = train(cfg, lm, work_dir=cache / "w", log=quiet)
+    assert meta["schedule"]["policy"] == "importance" and "--skip-policy importance" in meta["command"]
+    data = build_dataset(lm, cfg, log=quiet)
+    rows = list(range(8))
+    scores = batch_importance(prompt_importance(lm, cfg, data, log=quiet), data, rows)
+    _, layer_sets = draw_layer_sets(lm.num_layers, dataclasses.replace(cfg, targets=(2.0,)), 0, scores)
+    batch = make_batch(data, rows, cfg.gen_len)
+    arch, gate = gated(lm, cfg.out)
+    with torch.no_grad():
+        before = skipdecode_loss(get_architecture(lm.model), batch, layer_sets, cfg.kl_weight)[0]
+        after = skipdecode_loss(arch, batch, layer_sets, cfg.kl_weight, gate)[0]
+    assert after < 0.95 * before
+    policy, shapes = adapter_schedule(read_metadata(cfg.out))
+    assert policy == "importance" and set(shapes) == {"importance"}
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--adapter", cfg.out, "--skip-target", "2"])
+    assert skipdecode_from(args, lm.num_layers, 8).policy == "importance"
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(targets=(3.0, 1.5)), "low then high"),
     (dict(targets=(1.5, 2.0, 3.0)), "one speedup"),
@@ -261,6 +333,7 @@ def test_checkpoint_and_resume_give_the_same_state(cache):
     (dict(full_depth_share=0.2), "use it with --applies-at every-step"),
     (dict(applies_at="every-step", min_skipped=2), "for an adapter applied at skipping steps only"),
     (dict(min_skipped=0), "min_skipped must be in"),
+    (dict(skip_policy="bottom"), "skip_policy must be one of top, importance"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(InputError, match=message):
