@@ -268,31 +268,10 @@ def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> di
     return data
 
 
-def prompt_importance(loaded, cfg: FinetuneConfig, data: dict, log=print) -> torch.Tensor:
-    """``[N, L]``: each training sequence's layer importance on its own prompt (the engine's measure,
-    ``schedules.layer_importance``, from the full model's prompt pass), cached beside the data.
-
-    A batch's importance is the token-weighted mean of its rows' (``batch_importance``):
-    the mean over all its prompt tokens, which is what the engine measures on a batch.
-    """
-    path = _data_path(loaded, cfg).with_suffix(".importance.pt")
-    if path.is_file():
-        return torch.load(path)
-    engine = Engine(loaded)
-    started = time.perf_counter()
-    rows = [engine.prompt_pass([ids]).importance for ids in data["prompt_ids"]]
-    importance = torch.tensor(rows, dtype=torch.float64)
-    torch.save(importance, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
-    log(f"data: layer importance of {len(rows)} prompts in {(time.perf_counter() - started) / 60:.1f} min, "
-        f"cached in {path}")
-    return importance
-
-
-def batch_importance(importance: torch.Tensor, data: dict, rows: list[int]) -> list[float]:
-    """The batch's layer importance: its rows' weighted by their prompt tokens."""
-    tokens = torch.tensor([len(data["prompt_ids"][r]) for r in rows], dtype=torch.float64)
-    return ((importance[rows] * tokens[:, None]).sum(0) / tokens.sum()).tolist()
+def batch_importance(engine: Engine, data: dict, rows: list[int]) -> tuple[float, ...]:
+    """The batch's layer importance, as the engine measures a batch's: one prompt pass of its prompts
+    (left-padded) through the full model, ``schedules.layer_importance`` per layer over their tokens."""
+    return engine.prompt_pass([data["prompt_ids"][r] for r in rows]).importance
 
 
 def epoch_batches(prompt_lens: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -494,7 +473,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
         make_skipdecode(num_layers, cfg.schedule_steps, target=target)
     base_fingerprint, targets = fingerprint(loaded.model), lora_targets(loaded.model)
     data = build_dataset(loaded, cfg, log)
-    importance = prompt_importance(loaded, cfg, data, log) if cfg.skip_policy == "importance" else None
+    ranker = Engine(loaded) if cfg.skip_policy == "importance" else None  # the original model's prompt passes
     device = next(loaded.model.parameters()).device
     student = loaded.model
     train_dtype = resolve_dtype(cfg.train_dtype, loaded.device) if cfg.train_dtype else loaded.dtype
@@ -519,8 +498,8 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
             for group in optimizer.param_groups:
                 group["lr"] = lr
             rows = batch_rows(data, step, cfg)
-            target, layer_sets = draw_layer_sets(num_layers, cfg, step, None if importance is None
-                                                 else batch_importance(importance, data, rows))
+            target, layer_sets = draw_layer_sets(num_layers, cfg, step, None if ranker is None
+                                                 else batch_importance(ranker, data, rows))
             batch = {k: v.to(device) if torch.is_tensor(v) else v
                      for k, v in make_batch(data, rows, cfg.gen_len).items()}
             loss, lm, kl = skipdecode_loss(arch, batch, layer_sets, cfg.kl_weight, gate)

@@ -20,7 +20,6 @@ from skipkey.finetune import (
     build_dataset,
     draw_layer_sets,
     make_batch,
-    prompt_importance,
     skipdecode_loss,
     train,
 )
@@ -272,29 +271,21 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default_only(
     assert "resumed from step 2" in said[1]
 
 
-def test_a_batch_importance_is_the_engines_measure_on_that_batch_and_ranks_its_layer_sets(cache):
+def test_the_importance_policy_drops_each_batchs_least_important_layers_as_the_engine_ranks_them(cache):
     lm = tiny_model("gemma3")
-    cfg = FinetuneConfig(model=lm.name, out=str(cache / "x"), **{**TINY, "skip_policy": "importance",
-                                                                  "text_sequences": 4, "text_prompt_len": 5})
+    cfg = FinetuneConfig(model=lm.name, out=str(cache / "x"), **{**TINY, "skip_policy": "importance"})
     data = build_dataset(lm, cfg, log=quiet)
-    importance = prompt_importance(lm, cfg, data, log=quiet)
-    assert importance.shape == (len(data["prompt_ids"]), lm.num_layers)
-    assert torch.equal(prompt_importance(lm, cfg, data, log=quiet), importance)  # cached
-    rows = [0, 5, 17, 19]  # prompts of different lengths: the engine left-pads them
-    assert len({len(data["prompt_ids"][r]) for r in rows}) > 1
-    measured = Engine(lm).prompt_pass([data["prompt_ids"][r] for r in rows]).importance
-    scores = batch_importance(importance, data, rows)
-    torch.testing.assert_close(torch.tensor(scores, dtype=torch.float64), torch.tensor(measured, dtype=torch.float64),
-                               rtol=1e-4, atol=1e-6)
-
+    rows = [0, 5, 9, 13]
+    scores = batch_importance(Engine(lm), data, rows)
+    assert len(scores) == lm.num_layers and scores != batch_importance(Engine(lm), data, [1, 2, 3, 4])
     _, layer_sets = draw_layer_sets(lm.num_layers, cfg, 0, scores)
     ranked = sorted(range(1, lm.num_layers - 1), key=lambda l: (-scores[l], l))  # the first and last are pinned
+    assert any(len(layers) < lm.num_layers for layers in layer_sets)
     for layers in layer_sets:
         dropped = set(range(lm.num_layers)) - set(layers)
         assert dropped == set(ranked[len(ranked) - len(dropped):])  # always the least important
-    assert any(len(layers) < lm.num_layers for layers in layer_sets)
     with pytest.raises(InputError, match="needs layer scores"):
-        draw_layer_sets(lm.num_layers, cfg, 0)  # the importance policy needs the batch's scores
+        draw_layer_sets(lm.num_layers, cfg, 0)
 
 
 def test_an_importance_adapter_trains_records_its_policy_and_the_cli_serves_it_so(cache, capsys):
@@ -308,7 +299,7 @@ def test_an_importance_adapter_trains_records_its_policy_and_the_cli_serves_it_s
     assert meta["schedule"]["policy"] == "importance" and "--skip-policy importance" in meta["command"]
     data = build_dataset(lm, cfg, log=quiet)
     rows = list(range(8))
-    scores = batch_importance(prompt_importance(lm, cfg, data, log=quiet), data, rows)
+    scores = batch_importance(Engine(lm), data, rows)
     _, layer_sets = draw_layer_sets(lm.num_layers, dataclasses.replace(cfg, targets=(2.0,)), 0, scores)
     batch = make_batch(data, rows, cfg.gen_len)
     arch, gate = gated(lm, cfg.out)
