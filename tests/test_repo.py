@@ -49,7 +49,7 @@ def test_the_committed_adapter_is_small_and_says_how_it_was_made():
     meta = read_metadata(directory)
     assert meta["base_model"] == "embedded" and meta["schedule"]["targets"] == [1.25, 3.0]
     assert meta["schedule"]["policy"] == "top" and meta["schedule"]["shapes"]["top"]
-    assert meta["training"]["steps"] == 1200 and meta["data"]["sequences"] >= 2000 and meta["date"]
+    assert meta["training"]["steps"] == 1500 and meta["data"]["sequences"] >= 4000 and meta["date"]
     assert meta["lora"]["applies_at"] == "skipping-steps"  # the prompt pass and full depth stay the original
     assert meta["command"].startswith("python -m skipkey finetune --model embedded --out ")
     assert meta["command"] in (ROOT / "README.md").read_text(), "the README quotes the command that made it"
