@@ -473,7 +473,9 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
         make_skipdecode(num_layers, cfg.schedule_steps, target=target)
     base_fingerprint, targets = fingerprint(loaded.model), lora_targets(loaded.model)
     data = build_dataset(loaded, cfg, log)
-    ranker = Engine(loaded) if cfg.skip_policy == "importance" else None  # the original model's prompt passes
+    # The engine's prompt passes rank each batch's layers (on ``loaded``, which the adapter wraps when the
+    # student is not a copy in another dtype).
+    ranker = Engine(loaded) if cfg.skip_policy == "importance" else None
     device = next(loaded.model.parameters()).device
     student = loaded.model
     train_dtype = resolve_dtype(cfg.train_dtype, loaded.device) if cfg.train_dtype else loaded.dtype
@@ -498,8 +500,14 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
             for group in optimizer.param_groups:
                 group["lr"] = lr
             rows = batch_rows(data, step, cfg)
-            target, layer_sets = draw_layer_sets(num_layers, cfg, step, None if ranker is None
-                                                 else batch_importance(ranker, data, rows))
+            scores = None
+            if ranker is not None:  # ranked as served: a skip-only adapter never applies at the prompt
+                if gate is not None:
+                    gate(torch.zeros(1, 1, dtype=torch.long))
+                scores = batch_importance(ranker, data, rows)
+                if gate is not None:
+                    gate(None)
+            target, layer_sets = draw_layer_sets(num_layers, cfg, step, scores)
             batch = {k: v.to(device) if torch.is_tensor(v) else v
                      for k, v in make_batch(data, rows, cfg.gen_len).items()}
             loss, lm, kl = skipdecode_loss(arch, batch, layer_sets, cfg.kl_weight, gate)

@@ -288,14 +288,27 @@ def test_the_importance_policy_drops_each_batchs_least_important_layers_as_the_e
         draw_layer_sets(lm.num_layers, cfg, 0)
 
 
-def test_an_importance_adapter_trains_records_its_policy_and_the_cli_serves_it_so(cache, capsys):
+def test_an_importance_adapter_trains_records_its_policy_and_the_cli_serves_it_so(cache, monkeypatch):
+    import skipkey.finetune as finetune
     from skipkey.cli import build_parser, skipdecode_from
     from skipkey.lora import adapter_schedule, read_metadata
 
     lm = tiny_model("gemma3")
     cfg = FinetuneConfig(model=lm.name, out=str(cache / "imp"), **{**TINY, "skip_policy": "importance",
                                                                     "steps": 20})
+    ranked, draw = {}, finetune.draw_layer_sets
+
+    def recording(num_layers, config, step, scores=None):
+        ranked[step] = scores
+        return draw(num_layers, config, step, scores)
+
+    monkeypatch.setattr(finetune, "draw_layer_sets", recording)
     meta = train(cfg, lm, work_dir=cache / "w", log=quiet)
+    # Each batch was ranked as served: by the original model's prompt pass (a skip-only adapter never applies
+    # at the prompt), although the adapter had been training in place on this very model for 19 steps.
+    data = build_dataset(lm, cfg, log=quiet)
+    original = Engine(tiny_model("gemma3"))
+    assert ranked[19] == batch_importance(original, data, finetune.batch_rows(data, 19, cfg))
     assert meta["schedule"]["policy"] == "importance" and "--skip-policy importance" in meta["command"]
     data = build_dataset(lm, cfg, log=quiet)
     rows = list(range(8))
