@@ -310,7 +310,6 @@ def test_an_importance_adapter_trains_records_its_policy_and_the_cli_serves_it_s
     original = Engine(tiny_model("gemma3"))
     assert ranked[19] == batch_importance(original, data, finetune.batch_rows(data, 19, cfg))
     assert meta["schedule"]["policy"] == "importance" and "--skip-policy importance" in meta["command"]
-    data = build_dataset(lm, cfg, log=quiet)
     rows = list(range(8))
     scores = batch_importance(Engine(lm), data, rows)
     _, layer_sets = draw_layer_sets(lm.num_layers, dataclasses.replace(cfg, targets=(2.0,)), 0, scores)
