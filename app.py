@@ -13,6 +13,7 @@ as plain methods, and ``build_demo`` lays the declared controls out.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import math
@@ -131,6 +132,7 @@ class ModelOutputs(NamedTuple):
     target_speedup: object
     max_new_tokens: object
     tuned: object
+    layer_policy: object  # the policy the model's adapter was trained with
 
     @classmethod
     def status_only(cls, status: str) -> "ModelOutputs":
@@ -229,7 +231,8 @@ class Handlers:
                 raise _user_error(f"Could not load model {model!r}: {type(error).__name__}: {error}") from None
 
     def select_model(self, model):
-        """Load the chosen model (with progress); fit the layer sliders and the tuned toggle to it."""
+        """Load the chosen model (with progress); fit the layer sliders, the tuned toggle and the layer
+        policy (the one its adapter was trained with) to it."""
         loaded = yield from self._wait_for_model(model, ModelOutputs.status_only)
         L = loaded.num_layers
         has_tuned = self.models.has_tuned(model)
@@ -240,7 +243,14 @@ class Handlers:
                     + ("; SkipDecode-tuned weights available" if has_tuned else "")),
             **layer_slider_updates(L),
             max_new_tokens=gr.update(maximum=min(MAX_NEW_TOKENS_UI, loaded.context_length - 1)),
-            tuned=gr.update(interactive=True) if has_tuned else gr.update(interactive=False, value=False))
+            tuned=gr.update(interactive=True) if has_tuned else gr.update(interactive=False, value=False),
+            layer_policy=gr.update(value=self.models.policy(model)) if self.models.policy(model) else gr.skip())
+
+    def defaults(self) -> Controls:
+        """The page's and the API's defaults: the default model, with its adapter's layer policy."""
+        model = self.models.default
+        return dataclasses.replace(Controls(), model=model,
+                                   layer_policy=self.models.policy(model) or Controls().layer_policy)
 
     def schedule_preview(self, controls: Controls):
         """The SkipDecode budget b(t) the sliders describe; never runs the model."""
@@ -366,8 +376,8 @@ COMPONENTS = {"textbox": gr.Textbox, "dropdown": gr.Dropdown, "number": gr.Numbe
               "radio": gr.Radio, "checkbox": gr.Checkbox}
 
 
-def control_panel(panel: str, overrides: dict[str, dict]) -> dict[str, gr.components.Component]:
-    """The components of one panel of ``Controls``, row by row, each from its declaration."""
+def control_panel(panel: str, defaults: Controls, overrides: dict[str, dict]) -> dict[str, gr.components.Component]:
+    """The components of one panel of ``Controls``, row by row, each from its declaration, valued ``defaults``."""
     made = {}
     names = [name for name, control in CONTROLS.items() if control.panel == panel]
     for row in sorted({CONTROLS[name].row for name in names}):
@@ -375,7 +385,7 @@ def control_panel(panel: str, overrides: dict[str, dict]) -> dict[str, gr.compon
         with gr.Row() if len(in_row) > 1 else contextlib.nullcontext():
             for name in in_row:
                 control = CONTROLS[name]
-                options = {"value": Controls.__dataclass_fields__[name].default, **control.options,
+                options = {"value": getattr(defaults, name), **control.options,
                            **overrides.get(name, {})}
                 if "choices" in options:
                     options["choices"] = list(options["choices"])
@@ -383,13 +393,15 @@ def control_panel(panel: str, overrides: dict[str, dict]) -> dict[str, gr.compon
     return made
 
 
-def controls_function(method: Callable, names: tuple[str, ...], *, request: bool = False) -> Callable:
+def controls_function(method: Callable, names: tuple[str, ...], *, request: bool = False,
+                      defaults: Controls | None = None) -> Callable:
     """``method(Controls[, request])`` as a function of the controls ``names``, one argument each.
 
     Gradio passes one value per input component and names the API's parameters
-    after the function's signature, so the signature is built from the same names.
+    after the function's signature, so the signature is built from the same names;
+    an argument left out takes its value from ``defaults`` (default: ``Controls()``).
     """
-    defaults = Controls()
+    defaults = defaults if defaults is not None else Controls()
     params = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=getattr(defaults, name))
               for name in names]
     if request:
@@ -419,8 +431,8 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
                max_size: int = QUEUE_SIZE) -> gr.Blocks:
     """The page: the ``Controls`` laid out by panel, wired to ``handlers`` (default: the allowed models)."""
     handlers = handlers if handlers is not None else Handlers()
-    models = handlers.models
-    overrides = {"model": dict(choices=list(models.allowed), value=models.default)}
+    defaults = handlers.defaults()
+    overrides = {"model": dict(choices=list(handlers.models.allowed))}
     with gr.Blocks(title="SkipKey: faster decoding, and why") as demo:
         gr.Markdown("# SkipKey\nThe full model and SkipKey decode the same prompt, interleaved step by step on "
                     "one device. **SkipDecode** runs fewer layers per token (early exit, nested layer sets); "
@@ -429,20 +441,20 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
         status = gr.Markdown("Loading the model…", label="status", elem_id="status")
         with gr.Row():
             with gr.Column(scale=3):
-                c = control_panel("prompt", overrides)
+                c = control_panel("prompt", defaults, overrides)
                 with gr.Row():
                     generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
             with gr.Column(scale=2):
-                c |= control_panel("run", overrides)
+                c |= control_panel("run", defaults, overrides)
         with gr.Row():
             with gr.Column():
                 with gr.Accordion("SkipDecode: fewer layers per token", open=True):
-                    c |= control_panel("skip", overrides)
+                    c |= control_panel("skip", defaults, overrides)
                     preview = gr.Plot(label="schedule preview", elem_id="schedule_preview")
             with gr.Column():
                 with gr.Accordion("KV cache: keep a budget of key tokens", open=True):
-                    c |= control_panel("kv", overrides)
+                    c |= control_panel("kv", defaults, overrides)
                 gr.Examples(EXAMPLES, inputs=[c[name] for name in EXAMPLE_INPUTS], example_labels=EXAMPLE_LABELS,
                             label="Example prompts")
         with gr.Row(equal_height=False):
@@ -466,13 +478,13 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
                                     agreement_md, layer_plot, retention_plot, step, last_run)
         # preprocess=False: raw values reach the one edge (build_request), which checks them all,
         # also for API clients whose values no slider bounds.
-        run = generate_btn.click(gpu(controls_function(handlers.compare, tuple(CONTROLS), request=True)),
+        run = generate_btn.click(gpu(controls_function(handlers.compare, tuple(CONTROLS), request=True, defaults=defaults)),
                                  [c[name] for name in CONTROLS], list(outputs), api_name="compare",
                                  preprocess=False, concurrency_id="model", concurrency_limit=concurrency_limit,
                                  show_progress="minimal")
         stop_btn.click(handlers.stop, None, status, cancels=[run], queue=False, api_name="stop",
                        api_visibility="undocumented")
-        preview_fn = controls_function(handlers.schedule_preview, PREVIEW_CONTROLS)
+        preview_fn = controls_function(handlers.schedule_preview, PREVIEW_CONTROLS, defaults=defaults)
         preview_inputs = [c[name] for name in PREVIEW_CONTROLS]
         model_outputs = list(ModelOutputs(status, *(c[name] for name in ModelOutputs._fields[1:])))
         (c["model"].change(handlers.select_model, c["model"], model_outputs, api_name="select_model",

@@ -116,7 +116,7 @@ class ModelCache:
         if not self.allowed:
             raise InputError("no model is allowed: the allow-list is empty")
         self.adapters = dict(default_adapters() if adapters is None else adapters)
-        self._shapes: dict[str, dict | None] = {}
+        self._schedules: dict[str, tuple[str, dict] | None] = {}
         self._futures: dict[tuple[str, bool], Future] = {}
         self._lock = threading.Lock()
 
@@ -133,19 +133,29 @@ class ModelCache:
     def has_tuned(self, name) -> bool:
         return isinstance(name, str) and name in self.adapters
 
+    def _schedule(self, name) -> tuple[str, dict] | None:
+        """(layer policy, shape table) ``name``'s adapter was trained with; None without a readable one."""
+        if not self.has_tuned(name):
+            return None
+        if name not in self._schedules:  # read once: the schedule preview asks on every slider move
+            try:
+                self._schedules[name] = adapter_schedule(read_metadata(self.adapters[name]))
+            except (InputError, ModelLoadError):
+                self._schedules[name] = None  # loading the tuned copy will say what is wrong with the adapter
+        return self._schedules[name]
+
     def shapes(self, name) -> dict | None:
         """The schedule-shape table ``name``'s adapter was trained with (None: no adapter, or none recorded).
 
         A target speedup uses it whether tuning is on or off, so the two differ in weights only.
         """
-        if not self.has_tuned(name):
-            return None
-        if name not in self._shapes:  # read once: the schedule preview asks on every slider move
-            try:
-                self._shapes[name] = adapter_schedule(read_metadata(self.adapters[name]))[1]
-            except (InputError, ModelLoadError):
-                self._shapes[name] = None  # loading the tuned copy will say what is wrong with the adapter
-        return self._shapes[name]
+        schedule = self._schedule(name)
+        return schedule[1] if schedule else None
+
+    def policy(self, name) -> str | None:
+        """The layer policy ``name``'s adapter was trained with (None: no adapter): the page selects it."""
+        schedule = self._schedule(name)
+        return schedule[0] if schedule else None
 
     def check_tuned(self, name) -> str:
         name = self.check(name)
@@ -224,9 +234,10 @@ class Controls:
     """The raw values of the page's controls, which are also ``/compare``'s parameters, in this order.
 
     Raw: as the page or an API client sends them (6.0 for 6, a string for a
-    number); ``build_request`` checks them. Defaults are the page's. To add a
-    control, add a field here (it appears on the page and in the API) and read
-    it in ``build_request``.
+    number); ``build_request`` checks them. Defaults are the page's, except that
+    the page selects the layer policy the default model's adapter was trained
+    with (``app.Handlers.defaults``). To add a control, add a field here (it
+    appears on the page and in the API) and read it in ``build_request``.
     """
 
     prompt: str = _control(DEFAULT_PROMPT, "textbox", "prompt", 0, label="Prompt", lines=4, max_lines=12,
@@ -242,8 +253,8 @@ class Controls:
     seed: int = _control(0, "number", "run", 1, label="seed", precision=0, minimum=0)
     skip_on: bool = _control(True, "checkbox", "skip", 0, label="on")
     layer_policy: str = _control("top", "radio", "skip", 0, preview=True, choices=LAYER_POLICIES, label="layers",
-                                 info="top = the paper's (what the tuned weights were trained with); "
-                                      "importance = training-free ranking")
+                                 info="top = the paper's; importance = the least important layers, ranked by a prompt "
+                                      "pass. Choosing a model selects the one its tuned weights were trained with")
     schedule: str = _control("linear", "radio", "skip", 2, preview=True, choices=SCHEDULE_KINDS, label="schedule",
                              visible=False)
     set_by: str = _control("target speedup", "radio", "skip", 2, preview=True, choices=SET_BY, label="set by",

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib.util
+import inspect
+import json
+import shutil
 import threading
 import time
 
@@ -19,6 +22,7 @@ from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv_policies import KeyformerPolicy, StreamingPolicy
+from skipkey.lora import METADATA_FILE
 from skipkey.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule, ScheduleShape, measured_best_shape
 from skipkey.trace import Trace
 
@@ -340,8 +344,9 @@ def test_memory_stays_flat_across_requests(handlers):
 
 def test_select_model_fits_the_sliders_to_the_model(handlers):
     *loading, ready = handlers.select_model("embedded")
-    status, b_max, b_min, warmup, target, max_tokens, tuned = ready
+    status, b_max, b_min, warmup, target, max_tokens, tuned, policy = ready
     assert "6 layers" in status and "tuned weights available" in status and tuned["interactive"] is True
+    assert policy["value"] == "top"  # the one the adapter was trained with
     assert b_max["maximum"] == 6 and b_min["maximum"] == 6 and warmup["maximum"] == 5
     assert target["maximum"] == 3.0
     with pytest.raises(gr.Error, match="not offered here"):
@@ -463,6 +468,24 @@ def test_tuned_weights_are_refused_for_a_model_without_an_adapter(tiny):
     with pytest.raises(gr.Error, match="tuned weights on/off must be true or false"):
         run(handlers, max_new_tokens=4, tuned="yes")
     assert run(handlers, max_new_tokens=4, tuned=False)[-1].status.startswith("**Done**")
+
+
+def test_the_page_and_the_api_select_the_layer_policy_the_adapter_was_trained_with(tiny, tiny_adapter, tmp_path):
+    importance = shutil.copytree(tiny_adapter, tmp_path / "importance")
+    meta = json.loads((importance / METADATA_FILE).read_text())
+    meta["schedule"]["policy"] = "importance"
+    (importance / METADATA_FILE).write_text(json.dumps(meta))
+    for adapters, expected in (({"embedded": importance}, "importance"), ({"embedded": tiny_adapter}, "top"),
+                               ({}, Controls().layer_policy)):
+        handlers = app.Handlers(ModelCache(lambda name: tiny, allowed=("embedded",), adapters=adapters))
+        assert handlers.defaults().layer_policy == expected
+        *_, ready = handlers.select_model("embedded")
+        assert ready.layer_policy == ({"__type__": "update", "value": expected} if adapters else gr.skip())
+        demo = app.build_demo(handlers)
+        radio = next(b for b in demo.blocks.values() if getattr(b, "label", None) == "layers")
+        assert radio.value == expected
+        compare = next(fn for fn in demo.fns.values() if fn.api_name == "compare").fn
+        assert inspect.signature(compare).parameters["layer_policy"].default == expected
 
 
 def test_the_tuned_copy_is_made_once_and_a_failure_is_retried(tiny, tiny_adapter):
