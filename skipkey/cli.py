@@ -373,8 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(dtype="float32")
     p.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0])
     p.add_argument("--policies", nargs="+", default=list(LAYER_POLICIES), help="layer policies, untuned")
-    p.add_argument("--tuned-policies", nargs="+", default=["top"],
-                   help="layer policies screened on the --adapter model")
+    p.add_argument("--tuned-policies", nargs="+", default=None,
+                   help="layer policies screened on the --adapter model (default: the one it was trained with)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--screen-prompts", type=int, default=16, help="held-out prompts for the screen")
     p.add_argument("--prompts", type=int, default=48, help="held-out prompts for the confirmation")

@@ -31,7 +31,7 @@ from skipkey.config import GenerationSettings, decode_steps
 from skipkey.errors import InputError
 from skipkey.evaluate import (EvalConfig, decode_config, markdown_table, perplexity_and_accuracy, quality,
                               write_json)
-from skipkey.lora import load_tuned, read_metadata
+from skipkey.lora import adapter_schedule, load_tuned, read_metadata
 from skipkey.models import load
 from skipkey.prompts import ORDINARY_PROMPTS
 from skipkey.provenance import command_line, machine_description
@@ -194,7 +194,7 @@ def main(args) -> int:
     if not 1 <= args.screen_prompts <= args.prompts <= len(ORDINARY_PROMPTS):
         raise InputError(f"need 1 <= --screen-prompts <= --prompts <= {len(ORDINARY_PROMPTS)} (the held-out "
                          f"prompts), got {args.screen_prompts} and {args.prompts}")
-    unknown = [p for p in args.policies + args.tuned_policies if p not in LAYER_POLICIES]
+    unknown = [p for p in args.policies + (args.tuned_policies or []) if p not in LAYER_POLICIES]
     if unknown:
         raise InputError(f"unknown layer policies {unknown}; choose from {', '.join(LAYER_POLICIES)}")
     loaded = load(args.model, args.device, args.dtype)
@@ -204,9 +204,10 @@ def main(args) -> int:
               "max_new_tokens": args.max_new_tokens, "screen_prompts": args.screen_prompts,
               "prompts": args.prompts, "targets": args.targets}
     if args.adapter:
-        models["tuned"], policies["tuned"] = load_tuned(loaded, args.adapter), args.tuned_policies
-        result["adapter"] = {"dir": args.adapter, **{k: read_metadata(args.adapter).get(k)
-                                                     for k in ("schedule", "date", "command")}}
+        meta = read_metadata(args.adapter)
+        models["tuned"] = load_tuned(loaded, args.adapter)
+        policies["tuned"] = args.tuned_policies or [adapter_schedule(meta)[0]]
+        result["adapter"] = {"dir": args.adapter, **{k: meta.get(k) for k in ("schedule", "date", "command")}}
     for target in args.targets:  # refuse an unreachable target before hours of work
         ScheduleShape().schedule(target, loaded.num_layers, decode_steps(args.max_new_tokens))
     prompts = ORDINARY_PROMPTS[: args.prompts]

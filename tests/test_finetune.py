@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -383,13 +384,19 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys):
     assert "needs --adapter" in capsys.readouterr().err
 
     # The shape study, untuned and tuned: every screened shape is confirmed here (--confirm large), so the
-    # winners are the screen's best; a resumed run screens nothing again.
+    # winners are the screen's best; the tuned model is screened with the policy its adapter was trained
+    # with (here, as if it were importance); a resumed run screens nothing again.
+    importance = shutil.copytree(out, cache / "lora-importance")
+    meta["schedule"]["policy"] = "importance"
+    (importance / METADATA_FILE).write_text(json.dumps(meta))
     study = cache / "shapes.json"
     shapes = ["shapes", "--model", str(model_dir), "--targets", "1.5", "--policies", "top", "--screen-prompts", "1",
-              "--prompts", "2", "--max-new-tokens", "6", "--confirm", "1", "--adapter", str(out), "--output", str(study)]
+              "--prompts", "2", "--max-new-tokens", "6", "--confirm", "1", "--adapter", str(importance),
+              "--output", str(study)]
     assert cli_main(shapes) == 0
     result = json.loads(study.read_text())
-    assert result["complete"] and {r["model"] for r in result["screen"]} == {"untuned", "tuned"}
+    policies = {(r["model"], r["policy"]) for r in result["screen"]}
+    assert result["complete"] and policies == {("untuned", "top"), ("tuned", "importance")}
     assert {r["model"] for r in result["confirmed"]} == {"untuned", "tuned"} and result["winners"]["top"]
     capsys.readouterr()
     assert cli_main([*shapes, "--resume"]) == 0 and ": accuracy " not in capsys.readouterr().err  # no screen line
