@@ -233,6 +233,23 @@ def main(args) -> int:
 
 
 # -- the frontier: quality against measured speed ---------------------------------------------------
+def frontier_quality(evals: list[dict]) -> list[dict]:
+    """The quality rows of the frontier from ``eval --suite tuned`` results, one per adapter.
+
+    The untuned rows once (the first result's), then each adapter's tuned rows at the layer
+    policy it was trained with: one line per tuned recipe. A tuned row under the other policy
+    (an adapter served off its policy) stays in the eval's table, not on the frontier.
+    """
+    rows, seen = [r for r in evals[0]["tuned"] if not r["label"].endswith("tuned")], set()
+    for result in evals:
+        policy = (result["adapter"].get("schedule") or {}).get("policy", "top")
+        if policy in seen:
+            raise InputError(f"two adapters trained for {policy}: give one eval per tuned policy")
+        seen.add(policy)
+        rows += [r for r in result["tuned"] if r["label"].endswith("tuned") and r.get("policy") == policy]
+    return rows
+
+
 def frontier_rows(quality_rows: list[dict], bench_rows: list[dict]) -> list[dict]:
     """Each SkipDecode quality row (``eval --suite tuned``) joined to the measured speedup of its schedule.
 

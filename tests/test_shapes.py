@@ -8,7 +8,8 @@ import pytest
 
 from skipkey.errors import InputError
 from skipkey.schedules import MEASURED_SHAPES, PAPER_SHAPE, ScheduleShape
-from skipkey.shapes import candidates, frontier_figure, frontier_rows, shape_grid, shortlist, winners
+from skipkey.shapes import (candidates, frontier_figure, frontier_quality, frontier_rows, shape_grid, shortlist,
+                            winners)
 
 STUDY = Path(__file__).resolve().parents[1] / "assets" / "results" / "shape_study.json"
 
@@ -58,6 +59,22 @@ def test_frontier_joins_quality_to_the_measured_speed_of_the_same_schedule():
     assert len(frontier_figure(rows).data) == 3  # two lines and the full model
     with pytest.raises(InputError, match="no bench row for top at 2.0x"):
         frontier_rows(quality, bench[:1])
+
+
+def test_the_frontier_has_each_adapters_tuned_line_at_its_own_policy_and_the_untuned_lines_once():
+    def result(policy, accuracy):
+        rows = [dict(label="full", policy="full", target=None)]
+        for p in ("top", "importance"):
+            rows += [dict(label=f"{p} 2.0x", policy=p, target=2.0, next_token_accuracy=0.3),
+                     dict(label=f"{p} 2.0x tuned", policy=p, target=2.0, next_token_accuracy=accuracy)]
+        return {"adapter": {"schedule": {"policy": policy}}, "tuned": rows}
+
+    rows = frontier_quality([result("top", 0.6), result("importance", 0.7)])
+    assert [(r["label"], r.get("next_token_accuracy")) for r in rows] == [
+        ("full", None), ("top 2.0x", 0.3), ("importance 2.0x", 0.3), ("top 2.0x tuned", 0.6),
+        ("importance 2.0x tuned", 0.7)]
+    with pytest.raises(InputError, match="two adapters trained for top"):
+        frontier_quality([result("top", 0.6), result("top", 0.7)])
 
 
 def test_the_measured_shapes_are_the_committed_studys_winners():

@@ -1,5 +1,6 @@
 """The SkipDecode frontier: next-token accuracy against the full model (``eval --suite tuned``) against the
-measured speedup of the same schedule on this machine (``bench``), one line per configuration.
+measured speedup of the same schedule on this machine (``bench``), one line per configuration: untuned
+``top`` and ``importance``, and each adapter (one ``--eval`` each) at the policy it was trained with.
 
     python assets/results/frontier.py --eval assets/results/eval_tuned.json \
         --bench assets/results/bench_skip_frontier_top.json assets/results/bench_skip_frontier_importance.json \
@@ -14,16 +15,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from skipkey.evaluate import markdown_table, save_figure  # noqa: E402
-from skipkey.shapes import frontier_figure, frontier_rows  # noqa: E402
+from skipkey.shapes import frontier_figure, frontier_quality, frontier_rows  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--eval", required=True, help="eval --suite tuned JSON")
+    parser.add_argument("--eval", nargs="+", required=True, help="eval --suite tuned JSONs, one per adapter")
     parser.add_argument("--bench", nargs="+", required=True, help="bench JSONs with skip POLICY TARGETx rows")
     parser.add_argument("--figure", required=True)
     args = parser.parse_args()
-    quality = json.loads(Path(args.eval).read_text())["tuned"]
+    quality = frontier_quality([json.loads(Path(path).read_text()) for path in args.eval])
     bench = [row for path in args.bench for run in json.loads(Path(path).read_text()) for row in run["rows"]
              if run["batch"] == 1]
     rows = frontier_rows(quality, bench)
