@@ -48,7 +48,7 @@ def test_the_committed_adapter_is_small_and_says_how_it_was_made():
     assert size <= 20 * 2**20
     meta = read_metadata(directory)
     assert meta["base_model"] == "embedded" and meta["schedule"]["targets"] == [1.25, 3.0]
-    assert meta["schedule"]["policy"] == "top" and meta["schedule"]["shapes"]["top"]
+    assert meta["schedule"]["policy"] == "importance" and meta["schedule"]["shapes"]["importance"]
     assert meta["training"]["steps"] == 1500 and meta["data"]["sequences"] >= 4000 and meta["date"]
     assert meta["lora"]["applies_at"] == "skipping-steps"  # the prompt pass and full depth stay the original
     assert meta["command"].startswith("python -m skipkey finetune --model embedded --out ")
