@@ -64,19 +64,20 @@ def test_the_committed_adapter_fits_the_embedded_model_and_lowers_skipping_perpl
     trained for: the full model's own continuation is far more likely under the tuned skipping model."""
     from skipkey.app_logic import EMBEDDED_ADAPTER
     from skipkey.evaluate import EvalConfig, perplexity_and_accuracy
-    from skipkey.lora import load_tuned
+    from skipkey.lora import adapter_schedule, load_tuned, read_metadata
     from skipkey.skipdecode import make_skipdecode
 
     tuned = load_tuned(embedded, EMBEDDED_ADAPTER)
+    policy, shapes = adapter_schedule(read_metadata(EMBEDDED_ADAPTER))  # served as trained
     assert tuned.model.get_input_embeddings().weight is embedded.model.get_input_embeddings().weight
     settings = GenerationSettings(max_new_tokens=24, ignore_eos=True)
     prompts = PROMPTS[:3]
     reference = Trace.collect(Engine(embedded), prompts, settings)
     refs = [reference.tokens(r) for r in range(len(prompts))]
-    skip = make_skipdecode(embedded.num_layers, 23, target=2.0)
-    untuned_ppl, _ = perplexity_and_accuracy(embedded, EvalConfig("top 2x", skip=skip), prompts, refs)
-    tuned_ppl, _ = perplexity_and_accuracy(embedded, EvalConfig("top 2x tuned", skip=skip, model=tuned), prompts,
-                                           refs)
+    skip = make_skipdecode(embedded.num_layers, 23, target=2.0, policy=policy, shapes=shapes)
+    untuned_ppl, _ = perplexity_and_accuracy(embedded, EvalConfig(f"{policy} 2x", skip=skip), prompts, refs)
+    tuned_ppl, _ = perplexity_and_accuracy(embedded, EvalConfig(f"{policy} 2x tuned", skip=skip, model=tuned),
+                                           prompts, refs)
     assert tuned_ppl < untuned_ppl / 10, (tuned_ppl, untuned_ppl)
 
 
