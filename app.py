@@ -235,7 +235,7 @@ class Handlers:
         policy (the one its adapter was trained with) to it."""
         loaded = yield from self._wait_for_model(model, ModelOutputs.status_only)
         L = loaded.num_layers
-        has_tuned = self.models.has_tuned(model)
+        has_tuned, policy = self.models.has_tuned(model), self.models.policy(model)
         yield ModelOutputs(
             status=(f"**{model}** ready: {L} layers, context {loaded.context_length} tokens, "
                     f"{loaded.device.type} / {str(loaded.dtype).removeprefix('torch.')}"
@@ -244,13 +244,12 @@ class Handlers:
             **layer_slider_updates(L),
             max_new_tokens=gr.update(maximum=min(MAX_NEW_TOKENS_UI, loaded.context_length - 1)),
             tuned=gr.update(interactive=True) if has_tuned else gr.update(interactive=False, value=False),
-            layer_policy=gr.update(value=self.models.policy(model)) if self.models.policy(model) else gr.skip())
+            layer_policy=gr.update(value=policy) if policy else gr.skip())
 
     def defaults(self) -> Controls:
         """The page's and the API's defaults: the default model, with its adapter's layer policy."""
-        model = self.models.default
-        return dataclasses.replace(Controls(), model=model,
-                                   layer_policy=self.models.policy(model) or Controls().layer_policy)
+        model, page = self.models.default, Controls()
+        return dataclasses.replace(page, model=model, layer_policy=self.models.policy(model) or page.layer_policy)
 
     def schedule_preview(self, controls: Controls):
         """The SkipDecode budget b(t) the sliders describe; never runs the model."""
@@ -478,8 +477,8 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
                                     agreement_md, layer_plot, retention_plot, step, last_run)
         # preprocess=False: raw values reach the one edge (build_request), which checks them all,
         # also for API clients whose values no slider bounds.
-        run = generate_btn.click(gpu(controls_function(handlers.compare, tuple(CONTROLS), request=True, defaults=defaults)),
-                                 [c[name] for name in CONTROLS], list(outputs), api_name="compare",
+        compare_fn = controls_function(handlers.compare, tuple(CONTROLS), request=True, defaults=defaults)
+        run = generate_btn.click(gpu(compare_fn), [c[name] for name in CONTROLS], list(outputs), api_name="compare",
                                  preprocess=False, concurrency_id="model", concurrency_limit=concurrency_limit,
                                  show_progress="minimal")
         stop_btn.click(handlers.stop, None, status, cancels=[run], queue=False, api_name="stop",
