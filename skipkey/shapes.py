@@ -242,7 +242,7 @@ def frontier_quality(evals: list[dict]) -> list[dict]:
     """
     rows, seen = [r for r in evals[0]["tuned"] if not r["label"].endswith("tuned")], set()
     for result in evals:
-        policy = (result["adapter"].get("schedule") or {}).get("policy", "top")
+        policy = adapter_schedule(result["adapter"])[0]  # what eval recorded of the adapter's metadata
         if policy in seen:
             raise InputError(f"two adapters trained for {policy}: give one eval per tuned policy")
         seen.add(policy)

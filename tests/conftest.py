@@ -62,6 +62,20 @@ def tiny_adapter(tiny_app_model, tmp_path_factory):
     return root / "lora"
 
 
+def relabelled_adapter(adapter, directory, policy: str):
+    """A copy of ``adapter`` in ``directory`` whose metadata says it was trained for ``policy``."""
+    import json
+    import shutil
+
+    from skipkey.lora import METADATA_FILE
+
+    copy = shutil.copytree(adapter, directory)
+    meta = json.loads((copy / METADATA_FILE).read_text())
+    meta["schedule"]["policy"] = policy
+    (copy / METADATA_FILE).write_text(json.dumps(meta))
+    return copy
+
+
 @contextlib.contextmanager
 def serving(demo):
     """Launch a built demo on a free loopback port; yield its URL; close it after."""

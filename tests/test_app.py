@@ -6,8 +6,6 @@ import dataclasses
 import gc
 import importlib.util
 import inspect
-import json
-import shutil
 import threading
 import time
 
@@ -15,14 +13,13 @@ import gradio as gr
 import plotly.graph_objects as go
 import pytest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, relabelled_adapter
 from skipkey import app_logic
 from skipkey.app_logic import Controls, ModelCache, allowed_models, build_request, compare
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv_policies import KeyformerPolicy, StreamingPolicy
-from skipkey.lora import METADATA_FILE
 from skipkey.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule, ScheduleShape, measured_best_shape
 from skipkey.trace import Trace
 
@@ -471,10 +468,7 @@ def test_tuned_weights_are_refused_for_a_model_without_an_adapter(tiny):
 
 
 def test_the_page_and_the_api_select_the_layer_policy_the_adapter_was_trained_with(tiny, tiny_adapter, tmp_path):
-    importance = shutil.copytree(tiny_adapter, tmp_path / "importance")
-    meta = json.loads((importance / METADATA_FILE).read_text())
-    meta["schedule"]["policy"] = "importance"
-    (importance / METADATA_FILE).write_text(json.dumps(meta))
+    importance = relabelled_adapter(tiny_adapter, tmp_path / "importance", "importance")
     for adapters, expected in (({"embedded": importance}, "importance"), ({"embedded": tiny_adapter}, "top"),
                                ({}, Controls().layer_policy)):
         handlers = app.Handlers(ModelCache(lambda name: tiny, allowed=("embedded",), adapters=adapters))

@@ -2,13 +2,13 @@
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import relabelled_adapter
 from skipkey.cli import main as cli_main
 from skipkey.architectures import get_architecture
 from skipkey.errors import InputError, ModelLoadError
@@ -386,9 +386,7 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys):
     # The shape study, untuned and tuned: every screened shape is confirmed here (--confirm large), so the
     # winners are the screen's best; the tuned model is screened with the policy its adapter was trained
     # with (here, as if it were importance); a resumed run screens nothing again.
-    importance = shutil.copytree(out, cache / "lora-importance")
-    meta["schedule"]["policy"] = "importance"
-    (importance / METADATA_FILE).write_text(json.dumps(meta))
+    importance = relabelled_adapter(out, cache / "lora-importance", "importance")
     study = cache / "shapes.json"
     shapes = ["shapes", "--model", str(model_dir), "--targets", "1.5", "--policies", "top", "--screen-prompts", "1",
               "--prompts", "2", "--max-new-tokens", "6", "--confirm", "1", "--adapter", str(importance),
