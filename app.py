@@ -331,7 +331,7 @@ class Handlers:
 
 def schedule_controls(schedule, set_by):
     """Show the controls the chosen mode and schedule use: a target speedup alone (the measured-best shape
-    does the rest), or the schedule's kind, warm-up, b_max, b_min, horizon and exponent."""
+    does the rest), or the schedule's kind, warm-up, b_max, b_min, horizon, hold and exponent."""
     by_layers = set_by != "target speedup"
     return (gr.update(visible=by_layers),
             gr.update(visible=by_layers and schedule != "constant"),
@@ -339,6 +339,7 @@ def schedule_controls(schedule, set_by):
                       label="layers (constant)" if schedule == "constant" else "min layers (b_min)"),
             gr.update(visible=by_layers and schedule != "constant"),
             gr.update(visible=by_layers),
+            gr.update(visible=by_layers and schedule != "constant"),
             gr.update(visible=by_layers and schedule == "power"),
             gr.update(visible=not by_layers))
 
@@ -499,7 +500,8 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
               preview_fn, preview_inputs, preview, api_name="schedule_preview", preprocess=False, queue=False,
               show_progress="hidden", trigger_mode="always_last")
         gr.on([c["schedule"].change, c["set_by"].change], schedule_controls, [c["schedule"], c["set_by"]],
-              [c[name] for name in ("schedule", "b_max", "b_min", "horizon", "warmup", "exponent", "target_speedup")],
+              [c[name] for name in ("schedule", "b_max", "b_min", "horizon", "warmup", "hold", "exponent",
+                                    "target_speedup")],
               queue=False,
               api_visibility="private")
         step.release(retention_at_step, [last_run, step], retention_plot, api_visibility="private",

@@ -294,9 +294,12 @@ class Controls:
                                   info="h2o/keyformer: divide each score by how many queries could see the token, "
                                        "so early tokens do not win just by being early")
     tuned: bool = _control(True, "checkbox", "skip", 1, label="tuned weights", elem_id="tuned", interactive=False,
-                           info="SkipKey's side runs the model with its SkipDecode LoRA adapter, trained with the "
-                                "top policy and the measured-best shapes in place (embedded model only); off: the "
-                                "same schedule on the original weights")
+                           info="SkipKey's side runs the model with its SkipDecode LoRA adapter, trained with its "
+                                "layer policy and schedule shapes in place (embedded model only); off: the same "
+                                "schedule on the original weights")
+    hold: int = _control(0, "slider", "skip", 4, preview=True, minimum=0, maximum=MAX_NEW_TOKENS_UI, step=1,
+                         label="hold (steps at b_max)", visible=False,
+                         info="steps run at b_max before the decay starts; 0 = the paper's")
 
 
 CONTROLS: Mapping[str, Control] = MappingProxyType({f.name: f.metadata["control"] for f in fields(Controls)})
@@ -395,7 +398,8 @@ def build_request(num_layers: int, controls: Controls, shapes: dict | None = Non
             skip = make_skipdecode(num_layers, gen_len, layers=_whole(_number(c.b_min)), **common)
         else:
             skip = make_skipdecode(num_layers, gen_len, b_max=_whole(_number(c.b_max)),
-                                   b_min=_whole(_number(c.b_min)), horizon=_whole(_number(c.horizon)), **common)
+                                   b_min=_whole(_number(c.b_min)), horizon=_whole(_number(c.horizon)),
+                                   hold=_whole(_number(c.hold)), **common)
     kv = None
     if _flag("KV eviction on/off", c.kv_on):
         try:

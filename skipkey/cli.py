@@ -74,6 +74,8 @@ def add_method_args(p: argparse.ArgumentParser):
     g.add_argument("--skip-warmup", type=int, default=None,
                    help="bottom layers that always run (default: the measured-best shape's with --skip-target, else 1)")
     g.add_argument("--skip-exponent", type=float, default=None, help="power-law exponent (default 2)")
+    g.add_argument("--skip-hold", type=int, default=None,
+                   help="steps at b_max before the decay starts (default 0; with --skip-target, the shape's)")
     g.add_argument("--skip-policy", choices=LAYER_POLICIES, default=None,
                    help="which layers run (default: the --adapter's, else top, the paper's)")
     g = p.add_argument_group("KV cache (Keyformer and baselines)")
@@ -100,7 +102,7 @@ def settings_from(args) -> GenerationSettings:
 
 def skip_requested(args) -> bool:
     return args.skip_target is not None or any(
-        v is not None for v in (args.skip_max, args.skip_min, args.skip_horizon, args.skip_layers))
+        v is not None for v in (args.skip_max, args.skip_min, args.skip_horizon, args.skip_layers, args.skip_hold))
 
 
 def adapter_schedule_from(args) -> tuple[str, dict | None]:
@@ -120,7 +122,7 @@ def skipdecode_from(args, num_layers: int, max_new_tokens: int):
     return make_skipdecode(num_layers, decode_steps(max_new_tokens), target=args.skip_target, shapes=shapes,
                            kind=args.skip_schedule, policy=policy, b_max=args.skip_max,
                            b_min=args.skip_min, horizon=args.skip_horizon, warmup=args.skip_warmup,
-                           exponent=args.skip_exponent, layers=args.skip_layers)
+                           exponent=args.skip_exponent, layers=args.skip_layers, hold=args.skip_hold)
 
 
 def kv_policy_from(args, spec: str | None = None, *, strict: bool = True):
@@ -372,14 +374,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.set_defaults(dtype="float32")
     p.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0])
-    p.add_argument("--policies", nargs="+", default=list(LAYER_POLICIES), help="layer policies, untuned")
+    p.add_argument("--policies", nargs="*", default=list(LAYER_POLICIES),
+                   help="layer policies, untuned (none: only the --adapter's tuned model)")
     p.add_argument("--tuned-policies", nargs="+", default=None,
                    help="layer policies screened on the --adapter model (default: the one it was trained with)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--screen-prompts", type=int, default=16, help="held-out prompts for the screen")
     p.add_argument("--prompts", type=int, default=48, help="held-out prompts for the confirmation")
     p.add_argument("--confirm", type=int, default=3, help="best screened shapes confirmed per policy and target")
-    p.add_argument("--resume", action="store_true", help="continue the screen in --output (configs done there are kept)")
+    p.add_argument("--resume", action="store_true", help="continue the study in --output (screened and confirmed configs there are kept)")
+    p.add_argument("--record", action="store_true",
+                   help="write the tuned winners into the --adapter's metadata: --adapter with --skip-target then "
+                        "serves it with them")
     p.add_argument("--output", help="write the results JSON here")
     add_adapter_arg(p, "also screen the model with this SkipDecode adapter merged")
     p.set_defaults(func=cmd_shapes)

@@ -434,7 +434,7 @@ def main(args) -> int:
         log("# SkipDecode quality, untuned vs tuned")
         tuned = load_tuned(loaded, args.adapter)
         meta = read_metadata(args.adapter)
-        result["adapter"] = {"dir": args.adapter, **{k: meta[k] for k in ("schedule", "date", "command")}}
+        result["adapter"] = {"dir": args.adapter, **{k: meta[k] for k in ("schedule", "date", "command")}}  # as served
         configs = tuned_configs(loaded.num_layers, tuned, args.targets, args.max_new_tokens,
                                 adapter_schedule(meta)[1])
         result["tuned"] = quality(loaded, configs, prompts, args.max_new_tokens, log)

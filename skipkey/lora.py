@@ -18,7 +18,7 @@ import torch
 from skipkey.architectures import cached_architecture, get_architecture
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.loading import LoadedModel
-from skipkey.schedules import ScheduleShape, shapes_from_json
+from skipkey.schedules import ScheduleShape, shapes_from_json, shapes_to_json
 
 ADAPTER_FORMAT = "skipkey-skipdecode-lora/1"
 METADATA_FILE = "skipkey_adapter.json"
@@ -97,17 +97,41 @@ def applies_at(meta: dict) -> tuple[str, int]:
 
 
 def adapter_schedule(meta: dict) -> tuple[str, dict]:
-    """(layer policy, shape table) the adapter was trained with, for ``make_skipdecode(shapes=...)``.
+    """(layer policy, shape table) to serve the adapter with, for ``make_skipdecode(shapes=...)``.
 
-    Adapters from before shapes were measured name a kind and a warm-up: they were
-    trained with the paper's shape (``b_max = L``, the lowest ``b_min``).
+    The shapes a shape study of the tuned model measured best (``schedule.serving_shapes``,
+    written by ``record_serving_shapes``) where there are some, else the shapes it was
+    trained with (``schedule.shapes``). Adapters from before shapes were measured name a
+    kind and a warm-up: they were trained with the paper's shape (``b_max = L``, the
+    lowest ``b_min``).
     """
     schedule = meta.get("schedule") or {}
     policy = schedule.get("policy", "top")
-    if "shapes" in schedule:
-        return policy, shapes_from_json(schedule["shapes"])
+    for key in ("serving_shapes", "shapes"):
+        if key in schedule:
+            return policy, shapes_from_json(schedule[key])
     shape = ScheduleShape(schedule.get("kind", "linear"), warmup=schedule.get("warmup", 1), top=1.0, floor=0.0)
     return policy, {policy: ((1.0, shape),)}
+
+
+def trained_schedule(meta: dict) -> dict:
+    """The metadata's schedule as training wrote it: what identifies the adapter's training, without the
+    serving shapes a later study recorded."""
+    return {k: v for k, v in (meta.get("schedule") or {}).items() if k not in ("serving_shapes", "serving_shapes_from")}
+
+
+def record_serving_shapes(adapter_dir: str | Path, table: dict, source: dict) -> None:
+    """Write ``table`` (policy -> [(target, shape)], for the adapter's own policy) into the adapter's metadata as
+    the shapes to serve it with, and ``source`` (the study's command, date, machine) beside them."""
+    meta = read_metadata(adapter_dir)
+    policy = meta.get("schedule", {}).get("policy", "top")
+    if set(table) != {policy}:
+        raise InputError(f"the adapter was trained for the {policy} policy; serving shapes for "
+                         f"{', '.join(sorted(table)) or 'no policy'} do not apply to it")
+    meta.setdefault("schedule", {})
+    meta["schedule"]["serving_shapes"] = shapes_to_json(table)
+    meta["schedule"]["serving_shapes_from"] = source
+    (Path(adapter_dir).expanduser() / METADATA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
 
 
 def check_compatible(meta: dict, loaded, where: str | Path = "the adapter") -> None:

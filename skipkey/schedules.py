@@ -56,6 +56,7 @@ def _check_decay(schedule: LinearSchedule | PowerLawSchedule, num_layers: int | 
         low_is=" (warmup + 1)", high_is=" (b_max)",
     )
     _require_int("horizon", schedule.horizon, 0, low_is=" (steps; 0 starts at b_min)")
+    _require_int("hold", schedule.hold, 0, low_is=" (steps at b_max before the decay)")
 
 
 def _check_constant(schedule: ConstantSchedule, num_layers: int | None) -> None:
@@ -75,10 +76,17 @@ def _check_step(t: object) -> None:
     _require_int("generation step t", t, 0)
 
 
-def _progress(t: int, horizon: int) -> float:
-    """min(1, t / T): how far the decay has gone. T = 0 means it is already over."""
+def _progress(t: int, horizon: int, hold: int = 0) -> float:
+    """min(1, (t - hold) / T), at least 0: how far the decay has gone. It starts after ``hold`` steps at
+    ``b_max``; T = 0 means it is over as soon as it starts."""
     _check_step(t)
-    return 1.0 if horizon == 0 else min(1.0, t / horizon)
+    if t < hold:
+        return 0.0
+    return 1.0 if horizon == 0 else min(1.0, (t - hold) / horizon)
+
+
+def _held(hold: int) -> str:
+    return f" after {hold} steps at b_max" if hold else ""
 
 
 def _round_half_up(x: float) -> int:
@@ -93,12 +101,16 @@ class LinearSchedule:
     ``T`` is ``horizon``, the number of steps the decay takes (the paper set it from
     a length statistic of the data). ``horizon = 0`` means the decay is already
     over: ``b(t) = b_min`` from the first step. Halves round up.
+
+    ``hold`` (ours; 0 is the paper's) delays the decay: the first ``hold`` steps run
+    ``b_max``, and ``t`` above counts from there.
     """
 
     b_max: int
     b_min: int
     horizon: int
     warmup: int = 1
+    hold: int = 0
 
     def __post_init__(self) -> None:
         _check_decay(self, None)
@@ -107,11 +119,11 @@ class LinearSchedule:
         _check_decay(self, num_layers)
 
     def budget(self, t: int) -> int:
-        return _round_half_up(self.b_max - (self.b_max - self.b_min) * _progress(t, self.horizon))
+        return _round_half_up(self.b_max - (self.b_max - self.b_min) * _progress(t, self.horizon, self.hold))
 
     def describe(self) -> str:
         return (
-            f"linear: {self.b_max} -> {self.b_min} layers over {self.horizon} steps, "
+            f"linear: {self.b_max} -> {self.b_min} layers over {self.horizon} steps{_held(self.hold)}, "
             f"warm-up {self.warmup}"
         )
 
@@ -124,6 +136,7 @@ class PowerLawSchedule:
     ``exponent = 1`` is the linear schedule; above 1 the budget falls fast at first
     and then levels off towards ``b_min``; below 1 it stays high longer and drops
     late. ``horizon = 0`` means ``b(t) = b_min`` from the first step. Halves round up.
+    ``hold``: as ``LinearSchedule``'s.
     """
 
     b_max: int
@@ -131,6 +144,7 @@ class PowerLawSchedule:
     horizon: int
     exponent: float = 2.0
     warmup: int = 1
+    hold: int = 0
 
     def __post_init__(self) -> None:
         _check_decay(self, None)
@@ -140,13 +154,13 @@ class PowerLawSchedule:
         _check_decay(self, num_layers)
 
     def budget(self, t: int) -> int:
-        remaining = (1.0 - _progress(t, self.horizon)) ** self.exponent
+        remaining = (1.0 - _progress(t, self.horizon, self.hold)) ** self.exponent
         return _round_half_up(self.b_min + (self.b_max - self.b_min) * remaining)
 
     def describe(self) -> str:
         return (
             f"power law (exponent {self.exponent:g}): {self.b_max} -> {self.b_min} layers "
-            f"over {self.horizon} steps, warm-up {self.warmup}"
+            f"over {self.horizon} steps{_held(self.hold)}, warm-up {self.warmup}"
         )
 
 
@@ -409,10 +423,13 @@ class ScheduleShape:
     * ``kind``, ``warmup``, ``exponent``: as the schedules above;
     * ``top``: ``b_max`` as a share of the model's layers (1 is the paper's ``b_max = L``);
     * ``floor``: ``b_min`` as a share of the constant depth ``L / target`` (1 is no decay at
-      all; lower starts deeper and ends shallower).
+      all; lower starts deeper and ends shallower);
+    * ``hold``: the share of the decode steps run at ``b_max`` before the decay starts (0,
+      the paper's, decays from the first step; a constant schedule has no decay to delay).
 
     ``schedule`` then searches ``b_min`` and the horizon for the nominal speedup closest
-    to the target, preferring the ``b_min`` nearest ``floor``. A constant schedule has
+    to the target, preferring the ``b_min`` nearest ``floor``; where the hold leaves no
+    way to reach the target, it is shortened until one does. A constant schedule has
     one depth per target, the closest whole one. ``MEASURED_SHAPES`` holds the shape the
     shape study (``python -m skipkey shapes``) measured best per target.
     """
@@ -422,6 +439,7 @@ class ScheduleShape:
     top: float = 1.0
     floor: float = 0.0
     exponent: float = 2.0
+    hold: float = 0.0
 
     def __post_init__(self) -> None:
         _check_kind(self.kind)
@@ -429,6 +447,8 @@ class ScheduleShape:
         for name, value in (("top", self.top), ("floor", self.floor)):
             if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= value <= 1):
                 raise InputError(f"the shape's {name} must be a share from 0 to 1, got {value!r}")
+        if not (isinstance(self.hold, numbers.Real) and not isinstance(self.hold, bool) and 0 <= self.hold < 1):
+            raise InputError(f"the shape's hold must be a share of the steps from 0 to below 1, got {self.hold!r}")
         _check_exponent(self.exponent)
 
     def schedule(self, target: float, num_layers: int, gen_len: int) -> Schedule:
@@ -455,32 +475,42 @@ class ScheduleShape:
             return min((ConstantSchedule(b, warmup=self.warmup) for b in range(num_layers, lowest - 1, -1)),
                        key=lambda schedule: abs(speedup(schedule) - target))
         if target <= 1 + 1e-9:  # every layer at every step: within 1% would already skip some
-            return self._decays(num_layers, num_layers, target, gen_len, speedup)[0]
+            return self._decays(num_layers, num_layers, target, gen_len, speedup, 0)[0]
+        return self._closest(target, num_layers, gen_len, speedup, _round_half_up(self.hold * gen_len))
+
+    def _closest(self, target: float, num_layers: int, gen_len: int, speedup, longest_hold: int) -> Schedule:
+        """With ``b_max`` as the shape says and the longest hold up to ``longest_hold`` steps that leaves some
+        decay within 1% of the target, the decay whose ``b_min`` is nearest ``floor`` among those within 1%
+        of the best. Only where no hold at that ``b_max`` comes within 1%, the nearest ``b_max`` that does (a
+        floor of a few layers leaves too little room between the two); where none does, the closest of all."""
+        lowest = self.warmup + 1
         depth = num_layers / target  # the constant depth that would hit the target
         preferred = min(num_layers, max(lowest, math.ceil(depth - 1e-9), _round_half_up(self.top * num_layers)))
         fallback: list[tuple[float, Schedule]] = []
-        # b_max as the shape says; only where no b_min and horizon come within 1% of the target, the
-        # nearest b_max that does (a floor of a few layers leaves too little room between the two).
         for b_max in sorted(range(max(lowest, math.ceil(depth - 1e-9)), num_layers + 1),
                             key=lambda b: (abs(b - preferred), b)):
-            options = self._decays(b_max, lowest, target, gen_len, speedup)
-            error = {id(s): abs(speedup(s) - target) / target for s in options}
-            best = min(error.values())
-            wanted = min(b_max, max(lowest, _round_half_up(self.floor * depth)))
-            close = [s for s in options if error[id(s)] <= best + 0.01]  # within 1% of the best reachable
-            chosen = min(close, key=lambda s: (abs(s.b_min - wanted), error[id(s)], s.horizon))
-            if best <= 0.01:
-                return chosen
-            fallback.append((error[id(chosen)], chosen))
+            # A hold of H steps runs at least H * b_max + (gen_len - H) * lowest layers: no longer hold can reach.
+            room = num_layers * gen_len / target * 1.01 - gen_len * lowest
+            start = longest_hold if b_max == lowest else min(longest_hold, max(0, math.floor(room / (b_max - lowest)) + 1))
+            for hold in range(start, -1, -1):
+                options = self._decays(b_max, lowest, target, gen_len, speedup, hold)
+                error = {id(s): abs(speedup(s) - target) / target for s in options}
+                best = min(error.values())
+                wanted = min(b_max, max(lowest, _round_half_up(self.floor * depth)))
+                close = [s for s in options if error[id(s)] <= best + 0.01]  # within 1% of the best reachable
+                chosen = min(close, key=lambda s: (abs(s.b_min - wanted), error[id(s)], s.horizon))
+                if best <= 0.01:
+                    return chosen
+                fallback.append((error[id(chosen)], chosen))
         return min(fallback, key=lambda pair: pair[0])[1]
 
-    def _decays(self, b_max: int, lowest: int, target: float, gen_len: int, speedup) -> list[Schedule]:
-        """For each ``b_min``, the horizons either side of ``target``."""
+    def _decays(self, b_max: int, lowest: int, target: float, gen_len: int, speedup, hold: int) -> list[Schedule]:
+        """For each ``b_min``, the horizons either side of ``target``, the decay starting after ``hold`` steps."""
 
         def decay(b_min: int, horizon: int) -> Schedule:
             if self.kind == "linear":
-                return LinearSchedule(b_max, b_min, horizon, warmup=self.warmup)
-            return PowerLawSchedule(b_max, b_min, horizon, exponent=self.exponent, warmup=self.warmup)
+                return LinearSchedule(b_max, b_min, horizon, warmup=self.warmup, hold=hold)
+            return PowerLawSchedule(b_max, b_min, horizon, exponent=self.exponent, warmup=self.warmup, hold=hold)
 
         options = []
         horizons = range(2 * gen_len + 2)  # a decay may end past the last step: it is then still under way
@@ -501,7 +531,9 @@ class ScheduleShape:
         if self.kind == "constant":
             return f"constant, warm-up {self.warmup}"
         kind = "linear" if self.kind == "linear" else f"power {self.exponent:g}"
-        return f"{kind}, warm-up {self.warmup}, b_max {self.top:.0%} of L, b_min {self.floor:.0%} of L/target"
+        held = f", b_max for the first {self.hold:.0%} of steps" if self.hold else ""
+        return (f"{kind}, warm-up {self.warmup}, b_max {self.top:.0%} of L, b_min {self.floor:.0%} of L/target"
+                f"{held}")
 
 
 PAPER_SHAPE = ScheduleShape("linear", warmup=1, top=1.0, floor=0.0)  # b_max = L, the lowest b_min that reaches
@@ -568,15 +600,17 @@ def make_schedule(
     warmup: int = 1,
     exponent: float = 2.0,
     layers: int | None = None,
+    hold: int = 0,
 ) -> Schedule:
-    """A validated schedule from the CLI's or the app's options; ``b_max`` defaults to ``L``."""
+    """A validated schedule from the CLI's or the app's options; ``b_max`` defaults to ``L``; ``hold`` steps
+    run ``b_max`` before a decay starts."""
     _check_kind(kind)
     _require_int("num_layers", num_layers, 1)
     # Checked against the model first, so the messages name its range.
     _check_warmup(warmup, num_layers)
     if kind == "constant":
-        if (b_max, b_min, horizon) != (None, None, None):
-            raise InputError("a constant schedule takes layers, not b_max, b_min or horizon")
+        if (b_max, b_min, horizon) != (None, None, None) or hold:
+            raise InputError("a constant schedule takes layers, not b_max, b_min, horizon or hold")
         if layers is None:
             raise InputError(
                 f"a constant schedule needs layers, an integer from {warmup + 1} to {num_layers}"
@@ -593,8 +627,8 @@ def make_schedule(
         if horizon is None:
             raise InputError(f"a {kind} schedule needs horizon, an integer >= 0 (steps)")
         if kind == "linear":
-            schedule = LinearSchedule(b_max, b_min, horizon, warmup=warmup)
+            schedule = LinearSchedule(b_max, b_min, horizon, warmup=warmup, hold=hold)
         else:
-            schedule = PowerLawSchedule(b_max, b_min, horizon, exponent=exponent, warmup=warmup)
+            schedule = PowerLawSchedule(b_max, b_min, horizon, exponent=exponent, warmup=warmup, hold=hold)
     schedule.validate(num_layers)
     return schedule

@@ -31,7 +31,7 @@ from skipkey.config import GenerationSettings, decode_steps
 from skipkey.errors import InputError
 from skipkey.evaluate import (EvalConfig, decode_config, markdown_table, perplexity_and_accuracy, quality,
                               write_json)
-from skipkey.lora import adapter_schedule, load_tuned, read_metadata
+from skipkey.lora import adapter_schedule, load_tuned, read_metadata, record_serving_shapes, trained_schedule
 from skipkey.models import load
 from skipkey.prompts import ORDINARY_PROMPTS
 from skipkey.provenance import command_line, machine_description
@@ -40,17 +40,23 @@ from skipkey.skipdecode import LAYER_POLICIES, SkipDecode
 
 TOPS = (1.0, 0.85, 0.72, 0.6)  # b_max as a share of L: the paper's L down to about 0.6 L
 FLOORS = (0.0, 0.5, 0.75, 0.9)  # b_min as a share of the constant depth L / target (0: as low as reaches)
+HOLDS = (0.125, 0.1875, 0.25, 0.375, 0.5)  # shares of the steps at b_max before the decay (8, 12, 16, 24, 32 of 63)
 
 
 def shape_grid(policy: str) -> list[ScheduleShape]:
     """The shapes screened: linear at every ``b_max`` and ``b_min`` share; warm-up 2 and 3 (the top policy's
     alone: importance pins its own layers) and power (exponent 2) at the paper's ``b_max`` and 0.72 L;
-    constant at each warm-up."""
+    constant at each warm-up; and from ``b_max = L``, the decay held back for each ``HOLDS`` share of the
+    steps: linear (warm-up 1 and 2, ``b_min`` as low as reaches and half the constant depth), and power at
+    every other hold."""
     warmups = (1, 2, 3) if policy == "top" else (1,)
     shapes = [ScheduleShape("linear", 1, top, floor) for top in TOPS for floor in FLOORS]
     shapes += [ScheduleShape("linear", w, top, floor) for w in warmups[1:] for top in TOPS[::2] for floor in FLOORS]
     shapes += [ScheduleShape("power", 1, top, floor) for top in TOPS[::2] for floor in FLOORS]
     shapes += [ScheduleShape("constant", w, 0.0, 1.0) for w in warmups]
+    shapes += [ScheduleShape("linear", w, 1.0, floor, hold=hold)
+               for w in warmups[:2] for hold in HOLDS for floor in FLOORS[:2]]
+    shapes += [ScheduleShape("power", 1, 1.0, 0.0, hold=hold) for hold in HOLDS[::2]]
     return shapes
 
 
@@ -124,13 +130,23 @@ def shortlist(rows: list[dict], per_group: int) -> list[dict]:
     chosen = []
     for group in groups.values():
         best = sorted(group, key=lambda r: -r["next_token_accuracy"])[:per_group]
-        paper = [r for r in group if r["shape"] == asdict(PAPER_SHAPE) and r not in best]
+        paper = [r for r in group if ScheduleShape(**r["shape"]) == PAPER_SHAPE and r not in best]
         chosen += best + paper
     return chosen
 
 
-def confirm(models: dict, rows: list[dict], prompts: list[str], max_new_tokens: int, log) -> list[dict]:
-    """All four quality measures of the shortlisted shapes on every held-out prompt (stage 2)."""
+def confirm(models: dict, rows: list[dict], prompts: list[str], max_new_tokens: int, log,
+            done: list[dict] = ()) -> list[dict]:
+    """All four quality measures of the shortlisted shapes on every held-out prompt (stage 2).
+
+    ``done``: confirmed rows of an earlier run on the same prompts (``--resume``), not run again."""
+    earlier = {_key(row): row for row in done}
+    todo = [row for row in rows if _key(row) not in earlier]
+    measured = {_key(row): row for row in _measure(models, todo, prompts, max_new_tokens, log)} if todo else {}
+    return [earlier.get(_key(row)) or measured[_key(row)] for row in rows]
+
+
+def _measure(models: dict, rows: list[dict], prompts: list[str], max_new_tokens: int, log) -> list[dict]:
     reference = models["untuned"]
     steps = decode_steps(max_new_tokens)
     configs = []
@@ -166,27 +182,36 @@ COLUMNS = ["model", "policy", "target", "shape_text", "nominal", "mean_layers", 
            "ppl_of_full_continuations", "rouge_l", "first_divergence_median"]
 
 
-def _earlier_screen(args, result: dict, log) -> list[dict]:
-    """The screen rows ``--resume`` continues (refused if they were made with other settings)."""
+def _earlier(args, result: dict, log) -> tuple[list[dict], list[dict]]:
+    """The screen rows ``--resume`` continues (refused if they were made with other settings), and the
+    confirmed rows it keeps (those of a run on as many held-out prompts)."""
     if not args.resume:
-        return []
+        return [], []
     if not args.output:
         raise InputError("--resume continues the screen in --output: give --output FILE")
     path = Path(args.output)
     if not path.exists():
         log(f"nothing to resume in {path}: starting afresh")
-        return []
+        return [], []
     earlier = json.loads(path.read_text())
     differ = [k for k in ("model", "dtype", "max_new_tokens", "screen_prompts") if earlier.get(k) != result[k]]
     if differ:
         raise InputError(f"{path} was made with another {', '.join(differ)}; use another --output")
     result["resumed"] = [*earlier.get("resumed", []), earlier["command"]]
-    log(f"resuming {path}: {len(earlier.get('screen', []))} screened configs done earlier")
-    return earlier.get("screen", [])
+    screened = earlier.get("screen", [])
+    confirmed = earlier.get("confirmed", []) if earlier.get("prompts") == result["prompts"] else []
+    if earlier.get("adapter") != result.get("adapter"):  # tuned rows of another adapter say nothing of this one
+        screened, confirmed = ([r for r in rows if r["model"] == "untuned"] for rows in (screened, confirmed))
+    log(f"resuming {path}: {len(screened)} screened and {len(confirmed)} confirmed configs done earlier")
+    return screened, confirmed
 
 
 def main(args) -> int:
     """``python -m skipkey shapes``."""
+    if not args.policies and not args.adapter:
+        raise InputError("nothing to study: give --policies, --adapter, or both")
+    if args.record and not args.adapter:
+        raise InputError("--record writes the tuned winners into an adapter: give --adapter")
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -207,11 +232,12 @@ def main(args) -> int:
         meta = read_metadata(args.adapter)
         models["tuned"] = load_tuned(loaded, args.adapter)
         policies["tuned"] = args.tuned_policies or [adapter_schedule(meta)[0]]
-        result["adapter"] = {"dir": args.adapter, **{k: meta.get(k) for k in ("schedule", "date", "command")}}
+        result["adapter"] = {"dir": args.adapter, "schedule": trained_schedule(meta),
+                             **{k: meta.get(k) for k in ("date", "command")}}
     for target in args.targets:  # refuse an unreachable target before hours of work
         ScheduleShape().schedule(target, loaded.num_layers, decode_steps(args.max_new_tokens))
     prompts = ORDINARY_PROMPTS[: args.prompts]
-    done = _earlier_screen(args, result, log)
+    done, earlier_confirmed = _earlier(args, result, log)
 
     def save(rows):
         write_json(args.output, {**result, "screen": rows, "complete": False})
@@ -220,15 +246,23 @@ def main(args) -> int:
                               args.max_new_tokens, log, done=done, save=save if args.output else None)
     log("# confirm")
     result["confirmed"] = confirm(models, shortlist(result["screen"], args.confirm), prompts,
-                                  args.max_new_tokens, log)
-    result["winners"] = {policy: [[t, asdict(s)] for t, s in rows] for policy, rows in winners(result["confirmed"]).items()}
+                                  args.max_new_tokens, log, done=earlier_confirmed)
+    for model, key in (("untuned", "winners"), ("tuned", "winners_tuned")):
+        if model in models:
+            best = winners(result["confirmed"], model)
+            result[key] = {policy: [[t, asdict(s)] for t, s in rows] for policy, rows in best.items()}
     result["complete"] = True
     if args.output:
         write_json(args.output, result)
+    if args.record:
+        record_serving_shapes(args.adapter, winners(result["confirmed"], "tuned"),
+                              {k: result[k] for k in ("command", "date", "machine", "prompts", "max_new_tokens")})
+        log(f"recorded the tuned winners in {args.adapter} as the shapes it is served with")
     print(markdown_table(result["confirmed"], COLUMNS))
-    for policy, rows in winners(result["confirmed"]).items():
-        for target, shape in rows:
-            print(f"best for {policy} at {target}x: {shape!r}")
+    for model in models:
+        for policy, rows in winners(result["confirmed"], model).items():
+            for target, shape in rows:
+                print(f"best for {model} {policy} at {target}x: {shape!r}")
     return 0
 
 

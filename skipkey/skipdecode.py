@@ -65,17 +65,22 @@ def make_skipdecode(num_layers: int, gen_len: int, *, target: float | None = Non
                     policy: str = "top", b_max: int | None = None, b_min: int | None = None,
                     horizon: int | None = None, warmup: int | None = None, exponent: float | None = None,
                     layers: int | None = None, importance: Sequence[float] | None = None,
-                    shapes: dict | None = None) -> SkipDecode:
+                    shapes: dict | None = None, hold: int | None = None) -> SkipDecode:
     """The one edge where the CLI's and the app's SkipDecode options become a validated config.
 
     Either ``target`` (a nominal speedup over ``gen_len`` steps) or explicit schedule
     parameters. A target takes the measured-best shape for the layer ``policy``
     (``shapes``: a table like ``MEASURED_SHAPES``, e.g. the one an adapter was trained
     with); ``kind``, ``warmup`` and ``exponent``, when given, override the shape's.
+    ``hold`` (steps at ``b_max`` before the decay) is for explicit schedules: a target's
+    shape sets its own.
     """
     if policy not in LAYER_POLICIES:
         raise InputError(f"unknown layer policy {policy!r}; choose one of {', '.join(LAYER_POLICIES)}")
     if target is not None:
+        if hold is not None:
+            raise InputError("hold is set by the target's measured-best shape; give b_max, b_min and horizon "
+                             "to choose it")
         shape = measured_best_shape(target, policy, shapes)
         given = {k: v for k, v in (("kind", kind), ("warmup", warmup), ("exponent", exponent)) if v is not None}
         if given.get("kind", shape.kind) == "constant" or shape.kind != "constant":
@@ -88,7 +93,8 @@ def make_skipdecode(num_layers: int, gen_len: int, *, target: float | None = Non
     else:
         schedule = make_schedule(kind or "linear", num_layers, b_max=b_max, b_min=b_min, horizon=horizon,
                                  warmup=1 if warmup is None else warmup,
-                                 exponent=2.0 if exponent is None else exponent, layers=layers)
+                                 exponent=2.0 if exponent is None else exponent, layers=layers,
+                                 hold=0 if hold is None else hold)
     skip = SkipDecode(schedule, policy, tuple(importance) if importance is not None else None)
     skip.validate(num_layers)
     return skip

@@ -370,6 +370,9 @@ def test_schedule_preview_never_runs_the_model(handlers, monkeypatch):
 
     fig = preview("embedded", "linear", "layers", 6, 3, 10)
     assert list(fig.data[1].y) == [LinearSchedule(6, 3, 10).budget(t) for t in range(19)]
+    held = preview("embedded", "linear", "layers", 6, 3, 10, hold=4)
+    assert list(held.data[1].y) == [LinearSchedule(6, 3, 10, hold=4).budget(t) for t in range(19)]
+    assert list(held.data[1].y)[:5] == [6] * 5 and list(held.data[1].y) != list(fig.data[1].y)
     bad = preview("embedded", "linear", "layers", 6, 9, 10)
     assert "b_min must be" in bad.layout.annotations[0].text
     target = preview("embedded", "power", "target speedup", None, None, None, target_speedup=2.0)
@@ -381,10 +384,10 @@ def test_schedule_preview_never_runs_the_model(handlers, monkeypatch):
 
 
 def test_schedule_controls_show_what_the_mode_and_schedule_use():
-    kind, b_max, b_min, horizon, warmup, exponent, target = app.schedule_controls("constant", "layers")
+    kind, b_max, b_min, horizon, warmup, hold, exponent, target = app.schedule_controls("constant", "layers")
     assert kind["visible"] and warmup["visible"] and b_min["visible"] and not target["visible"]
-    assert not b_max["visible"] and not horizon["visible"] and not exponent["visible"]
-    assert app.schedule_controls("power", "layers")[5]["visible"]
+    assert not b_max["visible"] and not horizon["visible"] and not hold["visible"] and not exponent["visible"]
+    assert app.schedule_controls("power", "layers")[6]["visible"] and app.schedule_controls("linear", "layers")[5]["visible"]
     by_target = app.schedule_controls("power", "target speedup")
     assert by_target[-1]["visible"] and not any(u["visible"] for u in by_target[:-1])
 

@@ -42,6 +42,15 @@ def test_generate_json_has_tokens_text_timings_layers_and_kept(capsys, model_dir
     assert all(layer is None or all(len(head) <= budget for head in layer) for layer in first)
 
 
+def test_generate_runs_b_max_for_the_held_steps(capsys, model_dir):
+    code, out, _ = run_cli(capsys, "generate", "--model", model_dir, "--prompt", "Once upon a time there was",
+                           "--max-new-tokens", "10", "--json", "--skip-min", "2", "--skip-horizon", "3",
+                           "--skip-hold", "4")
+    layers = [len(step) for step in json.loads(out)["layers_per_token"]]
+    # The prompt pass, 4 held steps, then the decay 6 -> 2 over 3 steps (which starts at b_max).
+    assert code == 0 and layers == [6] + [6] * 4 + [6, 5, 3, 2, 2]
+
+
 def test_generate_streams_text(capsys, model_dir):
     code, out, err = run_cli(capsys, "generate", "--model", model_dir, "--prompt", "Hello", "--max-new-tokens", "5",
                              "--device", "cpu")
@@ -52,6 +61,8 @@ def test_generate_streams_text(capsys, model_dir):
     (["--prompt", ""], "empty"),
     (["--prompt", "hi", "--skip-target", "0.5"], "--skip-target must be at least 1"),
     (["--prompt", "hi", "--skip-target", "50"], "target speedup must be from 1 to"),
+    (["--prompt", "hi", "--skip-target", "2", "--skip-hold", "3"], "hold is set by the target's measured-best shape"),
+    (["--prompt", "hi", "--skip-min", "2", "--skip-horizon", "4", "--skip-hold", "-1"], "hold must be an integer >= 0"),
     (["--prompt", "hi", "--kv-policy", "keyformer", "--kv-budget", "1.5"], "KV budget 1.5 is invalid"),
     (["--prompt", "hi", "--kv-policy", "keyformer", "--kv-budget", "0"], "KV budget 0"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be in 1.."),

@@ -396,8 +396,22 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys):
     policies = {(r["model"], r["policy"]) for r in result["screen"]}
     assert result["complete"] and policies == {("untuned", "top"), ("tuned", "importance")}
     assert {r["model"] for r in result["confirmed"]} == {"untuned", "tuned"} and result["winners"]["top"]
+    assert result["winners_tuned"] and set(result["winners_tuned"]) == {"importance"}
     capsys.readouterr()
-    assert cli_main([*shapes, "--resume"]) == 0 and ": accuracy " not in capsys.readouterr().err  # no screen line
+    # Resumed, nothing is measured again (no screen line, no confirm line); --record then makes the tuned
+    # winners the shapes the adapter is served with, and its trained shapes stay recorded as such.
+    from skipkey.lora import adapter_schedule, read_metadata
+    from skipkey.schedules import shapes_from_json
+    trained = read_metadata(importance)["schedule"]["shapes"]
+    assert cli_main([*shapes, "--resume", "--record"]) == 0
+    err = capsys.readouterr().err
+    assert ": accuracy " not in err and ": agreement " not in err and "recorded the tuned winners" in err
+    meta = read_metadata(importance)
+    assert adapter_schedule(meta) == ("importance", shapes_from_json(result["winners_tuned"]))
+    assert meta["schedule"]["shapes"] == trained and meta["schedule"]["serving_shapes_from"]["prompts"] == 2
+    assert cli_main([*shapes, "--resume"]) == 0 and ": agreement " not in capsys.readouterr().err  # same adapter
+    assert cli_main(["shapes", "--model", str(model_dir), "--policies", "top", "--record"]) == 2
+    assert "give --adapter" in capsys.readouterr().err
 
     code = cli_main(["generate", "--model", str(model_dir), "--adapter", str(cache / "missing"), "--prompt", "Hi"])
     assert code == 2 and "does not exist" in capsys.readouterr().err
@@ -408,13 +422,14 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys):
 def test_the_committed_adapter_round_trips_its_shapes_and_policy_and_the_cli_uses_them():
     from skipkey.cli import build_parser, skipdecode_from
     from skipkey.lora import adapter_schedule, read_metadata
-    from skipkey.schedules import measured_best_shape, shapes_to_json
+    from skipkey.schedules import measured_best_shape, shapes_from_json, shapes_to_json
 
     adapter = str(Path(__file__).resolve().parents[1] / "assets" / "skipdecode-lora")
     meta = read_metadata(adapter)
     policy, shapes = adapter_schedule(meta)
     assert policy == meta["schedule"]["policy"] and policy in shapes
-    assert shapes_to_json(shapes) == meta["schedule"]["shapes"]
+    served = meta["schedule"].get("serving_shapes", meta["schedule"]["shapes"])  # a shape study's, else as trained
+    assert shapes == shapes_from_json(served) and shapes_from_json(shapes_to_json(shapes)) == shapes
     for target in (1.5, 2.0, 3.0):
         args = build_parser().parse_args(["generate", "--prompt", "x", "--adapter", adapter, "--skip-target", str(target)])
         skip = skipdecode_from(args, 18, 64)

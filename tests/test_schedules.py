@@ -39,12 +39,13 @@ def schedules(draw, kind=None):
     b_max = draw(st.integers(warmup + 1, num_layers))
     b_min = draw(st.integers(warmup + 1, b_max))
     horizon = draw(st.integers(0, 150))
+    hold = draw(st.sampled_from([0, 0, draw(st.integers(1, 60))]))  # the paper's 0 half the time
     kind = kind or draw(st.sampled_from(SCHEDULE_KINDS))
     if kind == "linear":
-        return num_layers, LinearSchedule(b_max, b_min, horizon, warmup=warmup)
+        return num_layers, LinearSchedule(b_max, b_min, horizon, warmup=warmup, hold=hold)
     if kind == "power":
         exponent = draw(st.floats(0.1, 8.0))
-        return num_layers, PowerLawSchedule(b_max, b_min, horizon, exponent=exponent, warmup=warmup)
+        return num_layers, PowerLawSchedule(b_max, b_min, horizon, exponent=exponent, warmup=warmup, hold=hold)
     return num_layers, ConstantSchedule(b_min, warmup=warmup)
 
 
@@ -61,7 +62,8 @@ def plans(draw):
 
 
 def horizon_of(schedule):
-    return getattr(schedule, "horizon", 0)
+    """The step at which the decay is over: after the hold and the horizon."""
+    return getattr(schedule, "hold", 0) + getattr(schedule, "horizon", 0)
 
 
 # --- budgets -----------------------------------------------------------------
@@ -79,11 +81,12 @@ def test_budget_never_grows_and_stays_between_b_min_and_b_max(case):
 @given(schedules(kind="linear"))
 def test_linear_starts_at_b_max_and_reaches_b_min_at_the_horizon(case):
     _, schedule = case
-    if schedule.horizon > 0:
+    if schedule.horizon > 0 or schedule.hold > 0:
         assert schedule.budget(0) == schedule.b_max
-    assert schedule.budget(schedule.horizon) == schedule.b_min
+    assert all(schedule.budget(t) == schedule.b_max for t in range(schedule.hold))
+    assert schedule.budget(horizon_of(schedule)) == schedule.b_min
     if schedule.horizon > 1:
-        assert schedule.budget(schedule.horizon - 1) >= schedule.b_min
+        assert schedule.budget(horizon_of(schedule) - 1) >= schedule.b_min
 
 
 def test_linear_follows_the_papers_formula_with_halves_rounded_up():
@@ -247,7 +250,8 @@ def test_compute_ratio_lies_between_one_and_the_nominal_speedup(case, n_steps, f
 def shapes(draw):
     kind = draw(st.sampled_from(SCHEDULE_KINDS))
     return ScheduleShape(kind, warmup=draw(st.integers(0, 3)), top=draw(st.floats(0, 1)),
-                         floor=draw(st.floats(0, 1)), exponent=draw(st.sampled_from([0.5, 1.0, 2.0, 3.0])))
+                         floor=draw(st.floats(0, 1)), exponent=draw(st.sampled_from([0.5, 1.0, 2.0, 3.0])),
+                         hold=draw(st.sampled_from([0.0, draw(st.floats(0, 0.9))])))
 
 
 @given(shape=shapes(), num_layers=st.integers(6, 32), gen_len=st.integers(16, 96), share=st.floats(0, 1))
@@ -288,6 +292,25 @@ def test_the_shape_sets_b_max_and_b_min_where_the_target_allows():
     low = ScheduleShape("linear", 1, top=0.6, floor=0.9).schedule(2.0, 18, 63)
     assert (low.b_max, low.b_min) == (11, 8)
     assert ScheduleShape("constant", 1).schedule(2.0, 18, 63) == ConstantSchedule(9, warmup=1)
+
+
+def test_a_hold_runs_b_max_first_and_then_the_same_decay_later():
+    plain, held = LinearSchedule(8, 2, 6), LinearSchedule(8, 2, 6, hold=3)
+    assert [held.budget(t) for t in range(12)] == [8, 8, 8] + [plain.budget(t) for t in range(9)]
+    assert PowerLawSchedule(8, 2, 0, hold=2).budget(1) == 8 and PowerLawSchedule(8, 2, 0, hold=2).budget(2) == 2
+    assert "after 3 steps at b_max" in held.describe() and "after" not in plain.describe()
+
+
+def test_a_shapes_hold_keeps_full_depth_first_and_shortens_only_where_the_target_needs_it():
+    shape = ScheduleShape("linear", 1, top=1.0, floor=0.0, hold=0.1875)  # 12 of 63 steps
+    at_1_5 = shape.schedule(1.5, 18, 63)
+    assert at_1_5.hold == 12 and [at_1_5.budget(t) for t in range(13)] == [18] * 13
+    assert SkipPlan(at_1_5, TopLayers(18), 18).nominal_speedup(63) == pytest.approx(1.5, rel=0.01)
+    at_5 = shape.schedule(5.0, 18, 63)  # 12 steps at 18 layers leave no way to 5x: a shorter hold, b_max kept
+    assert at_5.b_max == 18 and at_5.hold < 12
+    assert SkipPlan(at_5, TopLayers(18), 18).nominal_speedup(63) == pytest.approx(5.0, rel=0.01)
+    assert ScheduleShape("constant", 1, hold=0.5).schedule(2.0, 18, 63) == ConstantSchedule(9, warmup=1)
+    assert "first 19% of steps" in shape.describe() and "steps" not in PAPER_SHAPE.describe()
 
 
 @given(target=st.floats(1, 20), rows=st.lists(st.floats(1, 10), min_size=1, max_size=5, unique=True))
@@ -341,6 +364,8 @@ INVALID = [
     (lambda: LinearSchedule(8, 2.5, 10), "b_min must be an integer from 2"),
     (lambda: LinearSchedule(8.0, 2, 10), "b_max must be an integer >= 2"),
     (lambda: LinearSchedule(8, 2, 3.0), "horizon must be an integer >= 0"),
+    (lambda: LinearSchedule(8, 2, 3, hold=-1), "hold must be an integer >= 0"),
+    (lambda: PowerLawSchedule(8, 2, 3, hold=1.5), "hold must be an integer >= 0"),
     (lambda: LinearSchedule(8, True, 10, warmup=0), "b_min must be an integer from 1"),
     (lambda: LinearSchedule(8, 2, 10).budget(-1), "step t must be an integer >= 0"),
     (lambda: PowerLawSchedule(8, 2, 10, exponent=0.0), "exponent must be a finite number > 0"),
@@ -355,6 +380,7 @@ INVALID = [
     (lambda: make_schedule("constant", 24, layers=4, warmup=24), "warmup must be an integer from 0 to 23"),
     (lambda: make_schedule("constant", 24), "needs layers, an integer from 2 to 24"),
     (lambda: make_schedule("constant", 24, layers=4, b_min=2), "takes layers, not"),
+    (lambda: make_schedule("constant", 24, layers=4, hold=3), "takes layers, not .*hold"),
     (lambda: make_schedule("linear", 24, b_min=2, horizon=8, layers=4), "not layers"),
     (lambda: make_schedule("linear", 24, horizon=8), "needs b_min, an integer from 2"),
     (lambda: make_schedule("power", 24, b_min=2), "needs horizon, an integer >= 0"),
@@ -382,6 +408,8 @@ INVALID = [
     (lambda: compute_ratio([(0, 1)], 2, layer_cost=1.0, fixed_cost=-1.0), "fixed_cost >= 0"),
     (lambda: ScheduleShape("exp"), "one of linear, power, constant"),
     (lambda: ScheduleShape(top=1.5), "top must be a share from 0 to 1"),
+    (lambda: ScheduleShape(hold=1.0), "hold must be a share of the steps from 0 to below 1"),
+    (lambda: ScheduleShape(hold=True), "hold must be a share"),
     (lambda: schedule_for_target(2.0, 24, 0), "gen_len must be an integer >= 1"),
 ]
 
