@@ -13,8 +13,9 @@ horizon as by a constant 9. The shape decides the quality, so it is measured:
    all four measures (``skipkey.evaluate.quality``: next-token accuracy, perplexity,
    ROUGE-L, first divergence).
 3. ``winners``: per policy and target, the confirmed shape with the best next-token
-   accuracy (then ROUGE-L). ``schedules.MEASURED_SHAPES`` holds them, checked against
-   the committed study by the tests.
+   accuracy (then ROUGE-L), a held shape only where its perplexity stays within 10% of the
+   best unheld shape's (``eligible``). ``schedules.MEASURED_SHAPES`` holds them, checked
+   against the committed study by the tests.
 
 The held-out prompts are ``prompts.ORDINARY_PROMPTS``, which training never sees.
 """
@@ -121,15 +122,43 @@ def screen(models: dict, policies: dict, targets: list[float], prompts: list[str
     return rows
 
 
-def shortlist(rows: list[dict], per_group: int) -> list[dict]:
-    """The ``per_group`` best screened rows per (model, policy, target), by next-token accuracy, and the
-    paper's shape (``b_max = L``, the lowest ``b_min``) beside them for comparison."""
+HOLD_PPL_TOLERANCE = 1.1  # a held shape may be chosen if its PPL is at most 10% above the best unheld shape's
+
+
+def _held(row: dict) -> bool:
+    return ScheduleShape(**row["shape"]).hold > 0
+
+
+def eligible(group: list[dict]) -> list[dict]:
+    """The rows of one (model, policy, target) a winner may come from: every shape without a hold, and the held
+    shapes whose perplexity is within ``HOLD_PPL_TOLERANCE`` of the best unheld shape's.
+
+    A hold makes its tokens the full model's by construction, so next-token accuracy alone would always prefer
+    the longest hold and the shallowest tail (the tail then collapses: untuned, PPL in the hundreds of
+    thousands). A hold has to pay for itself on the full continuation's perplexity too."""
+    unheld = [r for r in group if not _held(r)]
+    if not unheld:
+        return list(group)
+    limit = HOLD_PPL_TOLERANCE * min(r["ppl_of_full_continuations"] for r in unheld)
+    return unheld + [r for r in group if _held(r) and r["ppl_of_full_continuations"] <= limit]
+
+
+def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["model"], row["policy"], row["target"]), []).append(row)
+    return groups
+
+
+def shortlist(rows: list[dict], per_group: int, held_per_group: int = 1) -> list[dict]:
+    """Per (model, policy, target): the ``per_group`` best screened shapes without a hold, by next-token
+    accuracy, the ``held_per_group`` best ``eligible`` held ones, and the paper's shape (``b_max = L``, the
+    lowest ``b_min``) beside them for comparison."""
     chosen = []
-    for group in groups.values():
-        best = sorted(group, key=lambda r: -r["next_token_accuracy"])[:per_group]
+    for group in _groups(rows).values():
+        by_accuracy = sorted(eligible(group), key=lambda r: -r["next_token_accuracy"])
+        best = [r for r in by_accuracy if not _held(r)][:per_group]
+        best += [r for r in by_accuracy if _held(r)][:held_per_group]
         paper = [r for r in group if ScheduleShape(**r["shape"]) == PAPER_SHAPE and r not in best]
         chosen += best + paper
     return chosen
@@ -163,18 +192,13 @@ def _measure(models: dict, rows: list[dict], prompts: list[str], max_new_tokens:
 
 
 def winners(confirmed: list[dict], model: str = "untuned") -> dict[str, list[tuple[float, ScheduleShape]]]:
-    """Per layer policy, (target, best shape) in target order: the highest next-token accuracy, then ROUGE-L."""
-    best: dict[tuple[str, float], dict] = {}
-    for row in confirmed:
-        if row["model"] != model:
-            continue
-        key = (row["policy"], row["target"])
-        rank = (row["next_token_accuracy"], row["rouge_l"])
-        if key not in best or rank > (best[key]["next_token_accuracy"], best[key]["rouge_l"]):
-            best[key] = row
+    """Per layer policy, (target, best shape) in target order: among the ``eligible`` confirmed rows, the
+    highest next-token accuracy, then ROUGE-L."""
     table: dict[str, list[tuple[float, ScheduleShape]]] = {}
-    for (policy, target), row in sorted(best.items()):
-        table.setdefault(policy, []).append((target, ScheduleShape(**row["shape"])))
+    for (name, policy, target), group in sorted(_groups(confirmed).items()):
+        if name == model:
+            best = max(eligible(group), key=lambda r: (r["next_token_accuracy"], r["rouge_l"]))
+            table.setdefault(policy, []).append((target, ScheduleShape(**best["shape"])))
     return table
 
 
@@ -239,8 +263,10 @@ def main(args) -> int:
     prompts = ORDINARY_PROMPTS[: args.prompts]
     done, earlier_confirmed = _earlier(args, result, log)
 
-    def save(rows):
-        write_json(args.output, {**result, "screen": rows, "complete": False})
+    def save(rows):  # what is measured so far, and what an earlier run measured that this one has not reached
+        seen = {_key(row) for row in rows}
+        write_json(args.output, {**result, "screen": rows + [row for row in done if _key(row) not in seen],
+                                 "confirmed": earlier_confirmed, "complete": False})
 
     result["screen"] = screen(models, policies, args.targets, prompts[: args.screen_prompts],
                               args.max_new_tokens, log, done=done, save=save if args.output else None)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import relabelled_adapter
-from skipkey.cli import main as cli_main
+from skipkey.cli import build_parser, main as cli_main
 from skipkey.architectures import get_architecture
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.config import GenerationSettings
@@ -351,7 +351,7 @@ def test_a_target_the_model_cannot_reach_is_refused_before_any_work(cache):
     assert not (cache / "cache").exists()  # no data was generated
 
 
-def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys):
+def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys, monkeypatch):
     model_dir = cache / "tiny-model"
     lm = tiny_model("gemma3")
     lm.model.save_pretrained(model_dir)
@@ -412,6 +412,32 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys):
     assert cli_main([*shapes, "--resume"]) == 0 and ": agreement " not in capsys.readouterr().err  # same adapter
     assert cli_main(["shapes", "--model", str(model_dir), "--policies", "top", "--record"]) == 2
     assert "give --adapter" in capsys.readouterr().err
+
+    # A resumed run with a new target, stopped after its first new config, leaves in its file every row the
+    # earlier run measured (screened and confirmed), and the new one.
+    import skipkey.shapes
+
+    class Stop(Exception):
+        pass
+
+    calls = []
+
+    def measure_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise Stop
+        return 5.0, 0.5
+
+    monkeypatch.setattr(skipkey.shapes, "perplexity_and_accuracy", measure_once)
+    earlier = json.loads(study.read_text())
+    argv = [*shapes[:4], "1.5", "1.25", *shapes[5:], "--resume"]
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    with pytest.raises(Stop):
+        skipkey.shapes.main(args)
+    stopped = json.loads(study.read_text())
+    assert not stopped["complete"] and stopped["confirmed"] == earlier["confirmed"]
+    assert len(stopped["screen"]) == len(earlier["screen"]) + 1 and all(r in stopped["screen"] for r in earlier["screen"])
 
     code = cli_main(["generate", "--model", str(model_dir), "--adapter", str(cache / "missing"), "--prompt", "Hi"])
     assert code == 2 and "does not exist" in capsys.readouterr().err

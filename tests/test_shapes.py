@@ -47,6 +47,20 @@ def test_winners_take_the_best_accuracy_then_rouge_per_policy_and_target():
     assert winners(rows, "tuned") == {"top": [(1.5, b)]}
 
 
+def test_a_held_shape_wins_only_where_its_perplexity_stays_near_the_best_unheld_shapes():
+    plain, held, longer = ScheduleShape(floor=0.5), ScheduleShape(hold=0.25), ScheduleShape(hold=0.5)
+
+    def row(shape, accuracy, ppl):
+        return dict(_row("tuned", "importance", 1.5, shape, accuracy), ppl_of_full_continuations=ppl)
+
+    assert winners([row(plain, 0.7, 3.0), row(held, 0.8, 3.2)], "tuned") == {"importance": [(1.5, held)]}
+    assert winners([row(plain, 0.7, 3.0), row(held, 0.8, 3.4)], "tuned") == {"importance": [(1.5, plain)]}
+    # The screen confirms the best unheld shapes and the best held one that is eligible: not the longest
+    # hold, whose tail collapses, however many of its tokens are the full model's.
+    screened = [row(plain, 0.7, 3.0), row(held, 0.8, 3.2), row(longer, 0.9, 900.0)]
+    assert [ScheduleShape(**r["shape"]) for r in shortlist(screened, 2)] == [plain, held]
+
+
 def test_frontier_joins_quality_to_the_measured_speed_of_the_same_schedule():
     quality = [dict(_row(None, "top", 2.0, PAPER_SHAPE, 0.5), label="top 2.0x"),
                dict(_row(None, "top", 2.0, PAPER_SHAPE, 0.7), label="top 2.0x tuned"),
