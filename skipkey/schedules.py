@@ -539,12 +539,16 @@ class ScheduleShape:
 PAPER_SHAPE = ScheduleShape("linear", warmup=1, top=1.0, floor=0.0)  # b_max = L, the lowest b_min that reaches
 # The shape study's winners, per layer policy: (target, shape), rows in target order; a target uses the row
 # nearest it (in log speedup). From `python -m skipkey shapes` (assets/results/shape_study.json, untuned weights);
-# ``tests/test_shapes.py`` checks them against that committed study. Full depth first (b_max = L) won everywhere;
-# under the top policy a second warm-up layer doubled next-token accuracy at every target.
-_TOP = ScheduleShape("linear", warmup=2, top=1.0, floor=0.0)
+# ``tests/test_shapes.py`` checks them against that committed study. Full depth first (b_max = L) won everywhere,
+# and untuned, held there: with the original weights every skipping step costs more than running the first
+# steps at full depth and the tail shallower.
 MEASURED_SHAPES: dict[str, tuple[tuple[float, ScheduleShape], ...]] = {
-    "top": ((1.5, _TOP), (2.0, _TOP), (3.0, _TOP)),
-    "importance": ((1.5, PAPER_SHAPE), (2.0, PAPER_SHAPE), (3.0, ScheduleShape("power", warmup=1, top=1.0, floor=0.0))),
+    "top": ((1.5, ScheduleShape("linear", warmup=1, top=1.0, floor=0.5, hold=0.5)),
+            (2.0, ScheduleShape("linear", warmup=1, top=1.0, floor=0.5, hold=0.375)),
+            (3.0, ScheduleShape("linear", warmup=1, top=1.0, floor=0.5, hold=0.1875))),
+    "importance": ((1.5, PAPER_SHAPE),
+                   (2.0, ScheduleShape("linear", warmup=1, top=1.0, floor=0.5, hold=0.25)),
+                   (3.0, ScheduleShape("power", warmup=1, top=1.0, floor=0.0))),
 }
 
 

@@ -12,10 +12,10 @@ horizon as by a constant 9. The shape decides the quality, so it is measured:
 2. *confirm*: the best few per (model, policy, target) on every held-out prompt with
    all four measures (``skipkey.evaluate.quality``: next-token accuracy, perplexity,
    ROUGE-L, first divergence).
-3. ``winners``: per policy and target, the confirmed shape with the best next-token
-   accuracy (then ROUGE-L), a held shape only where its perplexity stays within 10% of the
-   best unheld shape's (``eligible``). ``schedules.MEASURED_SHAPES`` holds them, checked
-   against the committed study by the tests.
+3. ``winners``: per policy and target, among the confirmed shapes at least as good as the
+   paper's on three of the four measures, the best next-token accuracy (then ROUGE-L).
+   ``schedules.MEASURED_SHAPES`` holds the untuned winners, checked against the committed
+   study by the tests; ``--record`` writes the tuned ones into the adapter.
 
 The held-out prompts are ``prompts.ORDINARY_PROMPTS``, which training never sees.
 """
@@ -36,7 +36,7 @@ from skipkey.lora import adapter_schedule, load_tuned, read_metadata, record_ser
 from skipkey.models import load
 from skipkey.prompts import ORDINARY_PROMPTS
 from skipkey.provenance import command_line, machine_description
-from skipkey.schedules import PAPER_SHAPE, ScheduleShape
+from skipkey.schedules import PAPER_SHAPE, ScheduleShape, measured_best_shape
 from skipkey.skipdecode import LAYER_POLICIES, SkipDecode
 
 TOPS = (1.0, 0.85, 0.72, 0.6)  # b_max as a share of L: the paper's L down to about 0.6 L
@@ -122,7 +122,10 @@ def screen(models: dict, policies: dict, targets: list[float], prompts: list[str
     return rows
 
 
-HOLD_PPL_TOLERANCE = 1.1  # a held shape may be chosen if its PPL is at most 10% above the best unheld shape's
+HOLD_PPL_TOLERANCE = 1.1  # the screen confirms a held shape if its PPL is at most 10% above the paper shape's
+# The four measures of the confirmation, each with the direction that is better.
+MEASURES = (("next_token_accuracy", 1), ("ppl_of_full_continuations", -1), ("rouge_l", 1),
+            ("first_divergence_median", 1))
 
 
 def _held(row: dict) -> bool:
@@ -130,8 +133,9 @@ def _held(row: dict) -> bool:
 
 
 def eligible(group: list[dict]) -> list[dict]:
-    """The rows of one (model, policy, target) a winner may come from: every shape without a hold, and the held
-    shapes whose perplexity is within ``HOLD_PPL_TOLERANCE`` of the best unheld shape's.
+    """The screened rows of one (model, policy, target) worth confirming: every shape without a hold, and the
+    held shapes whose perplexity is within ``HOLD_PPL_TOLERANCE`` of the paper's shape's (where the group has
+    it; else of the best unheld shape's).
 
     A hold makes its tokens the full model's by construction, so next-token accuracy alone would always prefer
     the longest hold and the shallowest tail (the tail then collapses: untuned, PPL in the hundreds of
@@ -139,7 +143,8 @@ def eligible(group: list[dict]) -> list[dict]:
     unheld = [r for r in group if not _held(r)]
     if not unheld:
         return list(group)
-    limit = HOLD_PPL_TOLERANCE * min(r["ppl_of_full_continuations"] for r in unheld)
+    paper = [r for r in unheld if ScheduleShape(**r["shape"]) == PAPER_SHAPE] or unheld
+    limit = HOLD_PPL_TOLERANCE * min(r["ppl_of_full_continuations"] for r in paper)
     return unheld + [r for r in group if _held(r) and r["ppl_of_full_continuations"] <= limit]
 
 
@@ -150,17 +155,21 @@ def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
     return groups
 
 
-def shortlist(rows: list[dict], per_group: int, held_per_group: int = 1) -> list[dict]:
+def shortlist(rows: list[dict], per_group: int, held_per_group: int = 1, also: dict | None = None) -> list[dict]:
     """Per (model, policy, target): the ``per_group`` best screened shapes without a hold, by next-token
-    accuracy, the ``held_per_group`` best ``eligible`` held ones, and the paper's shape (``b_max = L``, the
-    lowest ``b_min``) beside them for comparison."""
+    accuracy, the ``held_per_group`` best ``eligible`` held ones, the paper's shape (``b_max = L``, the lowest
+    ``b_min``) beside them for comparison, and ``also[model]``'s shape for the target where that table has the
+    policy (for a tuned model, the shapes its adapter was trained with)."""
     chosen = []
-    for group in _groups(rows).values():
+    for (model, policy, target), group in _groups(rows).items():
         by_accuracy = sorted(eligible(group), key=lambda r: -r["next_token_accuracy"])
         best = [r for r in by_accuracy if not _held(r)][:per_group]
         best += [r for r in by_accuracy if _held(r)][:held_per_group]
-        paper = [r for r in group if ScheduleShape(**r["shape"]) == PAPER_SHAPE and r not in best]
-        chosen += best + paper
+        table = (also or {}).get(model) or {}
+        extra = [PAPER_SHAPE] + ([measured_best_shape(target, policy, table)] if policy in table else [])
+        for shape in extra:
+            best += [r for r in group if ScheduleShape(**r["shape"]) == shape and r not in best][:1]
+        chosen += best
     return chosen
 
 
@@ -191,14 +200,25 @@ def _measure(models: dict, rows: list[dict], prompts: list[str], max_new_tokens:
              **m, "label": c.label} for row, m, c in zip(rows, measured, configs)]
 
 
+def at_least_as_good(row: dict, baseline: dict) -> int:
+    """On how many of the four ``MEASURES`` ``row`` is at least as good as ``baseline``."""
+    return sum(sign * (row[key] - baseline[key]) >= 0 for key, sign in MEASURES)
+
+
 def winners(confirmed: list[dict], model: str = "untuned") -> dict[str, list[tuple[float, ScheduleShape]]]:
-    """Per layer policy, (target, best shape) in target order: among the ``eligible`` confirmed rows, the
-    highest next-token accuracy, then ROUGE-L."""
+    """Per layer policy, (target, best shape) in target order: among the confirmed shapes at least as good as
+    the paper's shape on three of the four measures (next-token accuracy, PPL, ROUGE-L, first divergence), the
+    highest next-token accuracy, then ROUGE-L. (Accuracy alone picked, for the tuned model, shapes that start
+    below full depth and leave the full model's text at the first tokens.) Without the paper's shape in a group,
+    the highest accuracy, then ROUGE-L."""
     table: dict[str, list[tuple[float, ScheduleShape]]] = {}
     for (name, policy, target), group in sorted(_groups(confirmed).items()):
-        if name == model:
-            best = max(eligible(group), key=lambda r: (r["next_token_accuracy"], r["rouge_l"]))
-            table.setdefault(policy, []).append((target, ScheduleShape(**best["shape"])))
+        if name != model:
+            continue
+        paper = next((r for r in group if ScheduleShape(**r["shape"]) == PAPER_SHAPE), None)
+        pool = group if paper is None else [r for r in group if at_least_as_good(r, paper) >= 3]
+        best = max(pool, key=lambda r: (r["next_token_accuracy"], r["rouge_l"]))
+        table.setdefault(policy, []).append((target, ScheduleShape(**best["shape"])))
     return table
 
 
@@ -247,7 +267,7 @@ def main(args) -> int:
     if unknown:
         raise InputError(f"unknown layer policies {unknown}; choose from {', '.join(LAYER_POLICIES)}")
     loaded = load(args.model, args.device, args.dtype)
-    models, policies = {"untuned": loaded}, {"untuned": args.policies}
+    models, policies, trained = {"untuned": loaded}, {"untuned": args.policies}, {}
     result = {"model": loaded.name, "dtype": str(loaded.dtype), "date": time.strftime("%Y-%m-%d"),
               "machine": machine_description(loaded.device), "command": command_line(args.argv),
               "max_new_tokens": args.max_new_tokens, "screen_prompts": args.screen_prompts,
@@ -256,6 +276,7 @@ def main(args) -> int:
         meta = read_metadata(args.adapter)
         models["tuned"] = load_tuned(loaded, args.adapter)
         policies["tuned"] = args.tuned_policies or [adapter_schedule(meta)[0]]
+        trained = {"tuned": adapter_schedule({"schedule": trained_schedule(meta)})[1]}
         result["adapter"] = {"dir": args.adapter, "schedule": trained_schedule(meta),
                              **{k: meta.get(k) for k in ("date", "command")}}
     for target in args.targets:  # refuse an unreachable target before hours of work
@@ -271,7 +292,7 @@ def main(args) -> int:
     result["screen"] = screen(models, policies, args.targets, prompts[: args.screen_prompts],
                               args.max_new_tokens, log, done=done, save=save if args.output else None)
     log("# confirm")
-    result["confirmed"] = confirm(models, shortlist(result["screen"], args.confirm), prompts,
+    result["confirmed"] = confirm(models, shortlist(result["screen"], args.confirm, also=trained), prompts,
                                   args.max_new_tokens, log, done=earlier_confirmed)
     for model, key in (("untuned", "winners"), ("tuned", "winners_tuned")):
         if model in models:

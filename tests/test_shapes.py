@@ -47,18 +47,32 @@ def test_winners_take_the_best_accuracy_then_rouge_per_policy_and_target():
     assert winners(rows, "tuned") == {"top": [(1.5, b)]}
 
 
-def test_a_held_shape_wins_only_where_its_perplexity_stays_near_the_best_unheld_shapes():
+def test_winners_must_match_the_papers_shape_on_three_of_the_four_measures():
+    def row(shape, accuracy, ppl, rouge, first):
+        return dict(_row("tuned", "importance", 1.5, shape, accuracy, rouge), ppl_of_full_continuations=ppl,
+                    first_divergence_median=first)
+
+    held, shallow = ScheduleShape(hold=0.25), ScheduleShape(top=0.85, floor=0.75)
+    paper = row(PAPER_SHAPE, 0.747, 3.35, 0.467, 7)
+    # Better per step but leaving the full model's text at once: ahead on accuracy and PPL only.
+    ahead_per_step = row(shallow, 0.80, 3.0, 0.30, 2)
+    assert winners([paper, ahead_per_step], "tuned") == {"importance": [(1.5, PAPER_SHAPE)]}
+    # Behind only on PPL: it wins on accuracy.
+    assert winners([paper, ahead_per_step, row(held, 0.77, 3.87, 0.667, 24)], "tuned") == {"importance": [(1.5, held)]}
+
+
+def test_the_screen_confirms_a_held_shape_only_within_its_perplexity_tolerance_and_the_trained_shape():
     plain, held, longer = ScheduleShape(floor=0.5), ScheduleShape(hold=0.25), ScheduleShape(hold=0.5)
+    trained = ScheduleShape("power")
 
     def row(shape, accuracy, ppl):
         return dict(_row("tuned", "importance", 1.5, shape, accuracy), ppl_of_full_continuations=ppl)
 
-    assert winners([row(plain, 0.7, 3.0), row(held, 0.8, 3.2)], "tuned") == {"importance": [(1.5, held)]}
-    assert winners([row(plain, 0.7, 3.0), row(held, 0.8, 3.4)], "tuned") == {"importance": [(1.5, plain)]}
-    # The screen confirms the best unheld shapes and the best held one that is eligible: not the longest
-    # hold, whose tail collapses, however many of its tokens are the full model's.
-    screened = [row(plain, 0.7, 3.0), row(held, 0.8, 3.2), row(longer, 0.9, 900.0)]
-    assert [ScheduleShape(**r["shape"]) for r in shortlist(screened, 2)] == [plain, held]
+    # Not the longest hold, whose tail collapses, however many of its tokens are the full model's.
+    screened = [row(plain, 0.7, 3.0), row(held, 0.8, 3.2), row(longer, 0.9, 900.0), row(trained, 0.1, 9.0)]
+    assert [ScheduleShape(**r["shape"]) for r in shortlist(screened, 1)] == [plain, held]
+    also = {"tuned": {"importance": ((1.5, trained),)}}  # the shapes the adapter was trained with
+    assert [ScheduleShape(**r["shape"]) for r in shortlist(screened, 1, also=also)] == [plain, held, trained]
 
 
 def test_frontier_joins_quality_to_the_measured_speed_of_the_same_schedule():
