@@ -25,6 +25,7 @@ from skipkey.finetune import (
     train,
 )
 from skipkey.lora import METADATA_FILE, SKIPPING_STEPS, fingerprint, load_tuned
+from skipkey.schedules import ScheduleShape
 from skipkey.skipdecode import make_skipdecode
 from skipkey.teacher_forced import teacher_forced_logits
 from skipkey.prompts import ORDINARY_PROMPTS, training_prompts
@@ -133,7 +134,8 @@ def test_a_skip_only_adapter_decodes_as_it_trained_and_leaves_full_depth_the_ori
     # Every layer at every step: the original model exactly, prompt pass included.
     assert [e.logprobs[0] for e in Engine(tuned).generate([prompt], forced=[full])] == forced
 
-    skip = make_skipdecode(lm.num_layers, 12, target=1.5)  # skips 0, 0, 1, 1, 2, 2, then 3 layers
+    # skips 0, 0, 1, 1, 2, 2, then 3 layers (an unheld shape: light steps between full depth and the adapter's)
+    skip = make_skipdecode(lm.num_layers, 12, target=1.5, shapes={"top": ((1.5, ScheduleShape("linear", warmup=2)),)})
     untuned = [e.logprobs[0] for e in Engine(lm, skip=skip).generate([prompt], forced=[full])]
     arch, gate = gated(lm, cfg.out)
     ids = torch.tensor([prompt + full[:-1]])
