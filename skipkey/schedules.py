@@ -85,7 +85,7 @@ def _progress(t: int, horizon: int, hold: int = 0) -> float:
     return 1.0 if horizon == 0 else min(1.0, (t - hold) / horizon)
 
 
-def _held(hold: int) -> str:
+def _hold_text(hold: int) -> str:
     return f" after {hold} steps at b_max" if hold else ""
 
 
@@ -123,7 +123,7 @@ class LinearSchedule:
 
     def describe(self) -> str:
         return (
-            f"linear: {self.b_max} -> {self.b_min} layers over {self.horizon} steps{_held(self.hold)}, "
+            f"linear: {self.b_max} -> {self.b_min} layers over {self.horizon} steps{_hold_text(self.hold)}, "
             f"warm-up {self.warmup}"
         )
 
@@ -160,7 +160,7 @@ class PowerLawSchedule:
     def describe(self) -> str:
         return (
             f"power law (exponent {self.exponent:g}): {self.b_max} -> {self.b_min} layers "
-            f"over {self.horizon} steps{_held(self.hold)}, warm-up {self.warmup}"
+            f"over {self.horizon} steps{_hold_text(self.hold)}, warm-up {self.warmup}"
         )
 
 
