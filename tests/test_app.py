@@ -177,6 +177,8 @@ def test_the_edge_covers_every_mode():
     (dict(b_max=7), "b_max must be an integer from 2 (warmup + 1) to 6"),
     (dict(warmup=6), "warmup must be an integer from 0 to 5"),
     (dict(horizon=-1), "horizon must be an integer >= 0"),
+    (dict(hold=-1), "hold must be an integer >= 0"),
+    (dict(hold=2.5), "hold must be an integer >= 0 (steps at b_max before the decay), got 2.5"),
     (dict(set_by="target speedup", target_speedup=9), "target speedup must be from 1 to 6.00"),
     (dict(set_by="guess"), "set SkipDecode by must be one of"),
     (dict(schedule="cubic"), "schedule kind must be one of linear, power, constant"),
