@@ -10,7 +10,9 @@ keys, call ``KVCache.update`` and then this function. Here we
   logits a second time for the score only, in query chunks, so the output keeps
   the fast fused kernel and prefill memory stays bounded. A decode step computes
   its logits once, for the output and the score: in one fused C++ call on CPU
-  (``skipkey.kernels``), else as matmul-softmax-matmul.
+  (``skipkey.kernels``), else as matmul-softmax-matmul. An evicting layer of a
+  policy that does not score (window, streaming) takes the same call without the
+  score on CPU: its slots are out of order, so SDPA would need a mask.
 
 Without an engine state in the call (e.g. inside ``model.generate``) it is plain SDPA.
 """
@@ -127,6 +129,7 @@ def _expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | N
 
 
 _NO_NOISE = (torch.empty(0), torch.empty(0, dtype=torch.long))  # "no noise" for the fused kernels
+_NO_SCORES = torch.empty(0)  # "the output alone" for ``attend_score``
 
 
 def _fused_noise(contribution: ScoreContribution, layer_idx: int, hkv: int, groups: int, query_positions,
@@ -274,6 +277,16 @@ def _attend_and_score_fused(fused, layer, layer_idx: int, query, key, value, sca
     return out.view(b, hq, 1, d).transpose(1, 2)
 
 
+def _attend_fused(fused, layer, query, key, value, scaling: float, positions, state: StepState) -> torch.Tensor:
+    """A decode step's attention over an evicting layer's out-of-order slots, in the fused kernel without
+    the score (SDPA needs a mask there, and runs several times below memory speed on CPUs without AMX:
+    ``assets/results/decode_kernels.txt``). Full mode keeps SDPA, so it stays ``generate``'s token for token."""
+    b, hq, _, d = query.shape
+    out = fused.attend_score(query, scaling, key, value, positions, state.query_positions.reshape(b), layer.window or 0,
+                             not layer.dense, _NO_SCORES, False, *_NO_NOISE, NOISE_COLS, 1.0)
+    return out.view(b, hq, 1, d).transpose(1, 2)
+
+
 def skipkey_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                       scaling: float | None = None, skipkey: StepState | None = None, **kwargs):
     kwargs.pop("sliding_window", None)
@@ -289,6 +302,9 @@ def skipkey_attention(module, query, key, value, attention_mask, dropout: float 
     scoring = skipkey.contribution is not None and layer.scored
     if scoring and query.shape[2] == 1:
         return _attend_and_score(layer, module.layer_idx, query, key, value, scale, positions, skipkey), None
+    fused = kernels.for_tensors(key, value) if layer.reuse and query.shape[2] == 1 else None
+    if fused is not None:  # an evicting layer that needs no scores (window, streaming): the output alone
+        return _attend_fused(fused, layer, query, key, value, scale, positions, skipkey), None
     mask = _mask_for_output(layer, positions, skipkey.query_positions)
     out, _ = sdpa_attention_forward(module, query, key, value, _expand_heads(mask, query.shape[1]), dropout=0.0,
                                     scaling=scaling, **kwargs)

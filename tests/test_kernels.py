@@ -103,6 +103,31 @@ def test_attend_score_equals_the_eager_matmul_softmax_matmul(monkeypatch, fused,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("window", [None, 40])
+def test_attention_alone_is_the_eager_attention_over_the_same_slots(monkeypatch, fused, dtype, groups, window):
+    """An evicting layer that is not scored (window, streaming) takes ``attend_score`` without scores: the
+    output of the eager path over the same out-of-order slots, holes and window included."""
+    torch.manual_seed(2)
+    b, hkv, slots, d = 2, 2, 77, 64
+    query = torch.randn(b, hkv * groups, 1, d).to(dtype)
+    keys, values = torch.randn(b, hkv, slots, d).to(dtype), torch.randn(b, hkv, slots, d).to(dtype)
+    positions = torch.stack([torch.randperm(85)[:slots] for _ in range(b * hkv)]).view(b, hkv, slots)
+    positions[:, :, ::7] = EMPTY
+    qpos = torch.tensor([[95], [88]])
+    layer = _layer(keys, values, positions, None, window)
+    state = StepState(cache=None, query_positions=qpos, dense=True, contribution=ScoreContribution(),
+                      accumulate=False, position_limit=96)
+    alone = attention._attend_fused(fused, layer, query, keys, values, d ** -0.5, positions, state)
+    assert layer.scores is None  # nothing scored, nothing allocated for it
+    monkeypatch.setenv(kernels.SWITCH, "0")
+    layer.scores = torch.zeros(b, hkv, slots)
+    reference = _attend_and_score(layer, 3, query, keys, values, d ** -0.5, positions, state)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(alone.float(), reference.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("contribution", [ScoreContribution(), ScoreContribution(1.3, 4)])
 @pytest.mark.parametrize("observe", [0, 5])

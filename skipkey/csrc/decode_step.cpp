@@ -9,7 +9,8 @@
 //   attend_score      the attention output for one query per row *and* the score
 //                     contribution softmax((logits + Gumbel noise) / tau), added to
 //                     (or written over) the layer's scores in place, reading every
-//                     key and value once;
+//                     key and value once; with no scores, the output alone (an
+//                     evicting layer of an unscored policy: faster than SDPA here);
 //   write_slot        the new token's key, value and position into the slot eviction
 //                     freed, per row and KV head, and its score reset;
 //   lowest_unprotected  per row and head, the lowest-priority slot outside the recent
@@ -323,7 +324,8 @@ void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, c
   const T* v_ptr = v.data_ptr<T>();
   const int64_t* pos_ptr = positions.data_ptr<int64_t>();
   const int64_t* qpos_ptr = query_positions.data_ptr<int64_t>();
-  float* score_ptr = scores.data_ptr<float>();
+  const bool scoring = scores.numel() > 0;  // else the attention output alone (a layer that evicts unscored)
+  float* score_ptr = scoring ? scores.data_ptr<float>() : nullptr;
   T* out_ptr = out.data_ptr<T>();
   const bool noisy = noise_table.numel() > 0;
   const float* table = noisy ? noise_table.data_ptr<float>() : nullptr;
@@ -336,10 +338,11 @@ void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, c
   const int64_t k_strides[3] = {k.stride(0), k.stride(1), k.stride(2)}, k_row = k_strides[2];
   const int64_t v_strides[3] = {v.stride(0), v.stride(1), v.stride(2)}, v_row = v_strides[2];
   const int64_t pos_strides[2] = {positions.stride(0), positions.stride(1)};
-  const int64_t score_strides[2] = {scores.stride(0), scores.stride(1)};
+  const int64_t score_strides[2] = {scoring ? scores.stride(0) : 0, scoring ? scores.stride(1) : 0};
 
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(groups * slots), shaped(plain ? 0 : slots), added(slots), acc(groups * dim);
+    std::vector<float> probs(groups * slots), shaped(plain || !scoring ? 0 : slots), added(scoring ? slots : 0);
+    std::vector<float> acc(groups * dim);
     std::vector<float> qf(groups * dim);
     std::vector<uint16_t> q16(paired ? groups * dim : 0);
     for (int64_t task = begin; task < end; ++task) {
@@ -387,7 +390,7 @@ void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, c
       std::fill(added.begin(), added.end(), 0.0f);
       for (int64_t g = 0; g < groups; ++g) {
         float* row = probs.data() + g * slots;
-        if (!plain) {  // Keyformer: softmax((logits + noise) / tau), from the logits before they are softmaxed
+        if (scoring && !plain) {  // Keyformer: softmax((logits + noise) / tau), from the logits before they are softmaxed
           const int64_t start = noisy ? start_ptr[(b * heads + h) * groups + g] : 0;
           for (int64_t s = 0; s < slots; ++s) {
             const float noise = noisy ? table[start + (pb[s] & col_mask)] : 0.0f;
@@ -397,7 +400,7 @@ void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, c
           for (int64_t s = 0; s < slots; ++s) added[s] += shaped[s];
         }
         softmax_row(row, slots);
-        if (plain)
+        if (scoring && plain)
           for (int64_t s = 0; s < slots; ++s) added[s] += row[s];
       }
       // Output: the weights times the values.
@@ -412,6 +415,7 @@ void attend_score_impl(const at::Tensor& q, double scale, const at::Tensor& k, c
       }
       T* ob = out_ptr + (b * heads + h) * groups * dim;
       for (int64_t i = 0; i < groups * dim; ++i) narrow(ob[i], acc[i]);
+      if (!scoring) continue;
       float* sb = score_ptr + b * score_strides[0] + h * score_strides[1];
       if (accumulate)
         for (int64_t s = 0; s < slots; ++s) sb[s] += added[s];
@@ -442,7 +446,7 @@ void check_noise(const at::Tensor& table, const at::Tensor& start, int64_t start
 
 // q [B, Hq, 1, D] (Hq = G * Hkv query heads, KV head h serving query heads h*G .. h*G+G-1), scaled here by
 // scale; q, k, v float32 or bfloat16 (one dtype) with unit stride along D; k, v [B, Hkv, S, D]; positions [B, 1 or Hkv, S] int64 (unit stride along S); query_positions [B] int64;
-// scores [B, Hkv, S] float32 (unit stride along S), updated in place; noise_table (flat float32, empty for
+// scores [B, Hkv, S] float32 (unit stride along S), updated in place, or empty for the output alone; noise_table (flat float32, empty for
 // none) and noise_start [B, Hkv, G] int64: a key at position p draws table[start + (p & (noise_cols - 1))].
 // Returns the attention output [B, Hkv, G, D] in v's dtype.
 at::Tensor attend_score(const at::Tensor& q, double scale, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
@@ -463,9 +467,10 @@ at::Tensor attend_score(const at::Tensor& q, double scale, const at::Tensor& k, 
               "positions must be int64 [B, 1 or Hkv, S] with unit stride in S");
   TORCH_CHECK(query_positions.scalar_type() == at::kLong && query_positions.is_contiguous() &&
                   query_positions.numel() == k.size(0), "query_positions must be int64 [B]");
-  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 3 && scores.stride(2) == 1 &&
-                  scores.size(0) == k.size(0) && scores.size(1) == k.size(1) && scores.size(2) == k.size(2),
-              "scores must be float32 [B, Hkv, S] with unit stride in S");
+  TORCH_CHECK(scores.numel() == 0 || (scores.scalar_type() == at::kFloat && scores.dim() == 3 &&
+                  scores.stride(2) == 1 && scores.size(0) == k.size(0) && scores.size(1) == k.size(1) &&
+                  scores.size(2) == k.size(2)),
+              "scores must be empty (no scoring) or float32 [B, Hkv, S] with unit stride in S");
   check_noise(noise_table, noise_start, q.size(0) * q.size(1), noise_cols, tau, "[B, Hkv, G]");
   auto out = at::empty({k.size(0), k.size(1), q.size(1) / k.size(1), k.size(3)}, v.options());
   if (k.scalar_type() == at::kBFloat16) {
