@@ -14,7 +14,7 @@ from pathlib import Path
 
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv_policies import KV_POLICIES, make_kv_policy, parse_policy_spec, policy_options
+from skipkey.kv_policies import KV_POLICIES, make_kv_policy, parse_budget, parse_policy_spec, policy_options
 from skipkey.lora import APPLIES_AT, SKIPPING_STEPS
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
@@ -138,7 +138,8 @@ def kv_policy_from(args, spec: str | None = None, *, strict: bool = True):
     if not strict:
         flags = {k: v for k, v in flags.items() if k in policy_options(name)}
     every = own.pop("evict_every", args.kv_evict_every)
-    return make_kv_policy(name, args.kv_budget, args.kv_recent, seed=args.seed, evict_every=every,
+    budget = own.pop("budget", args.kv_budget)
+    return make_kv_policy(name, parse_budget(budget), args.kv_recent, seed=args.seed, evict_every=every,
                           **{**flags, **own})
 
 
@@ -322,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run SkipDecode at each of these nominal speedups (with --skip-policy)")
     p.add_argument("--compare-kv", nargs="*", default=[], metavar="POLICY[:OPTION=VALUE,...]",
                    help=f"also run each of these KV policies ({', '.join(KV_POLICIES)}) at --kv-budget; "
-                        f"options after a colon, e.g. keyformer:observe=64,pool=7")
+                        f"options after a colon, e.g. keyformer:observe=64,pool=7; budget= and evict_every= "
+                        f"there override --kv-budget and --kv-evict-every for that policy")
     add_method_args(p)
     add_placement_args(p)
     add_adapter_arg(p, "also run each accelerated configuration on the model with this adapter merged")

@@ -103,6 +103,23 @@ def test_bench_reports_ratios_against_full_and_generate(capsys, model_dir, tmp_p
     assert "vs full" in out
 
 
+def test_a_compared_kv_spec_may_carry_its_own_budget(capsys, model_dir, tmp_path):
+    """``window:budget=1.0`` beside ``window`` at ``--kv-budget``: the same policy, kernel and all, keeping the
+    whole prompt, so the row shows what the attention path alone buys against the full model."""
+    out_file = tmp_path / "bench.json"
+    code, _, _ = run_cli(capsys, "bench", "--model", model_dir, "--device", "cpu", "--max-new-tokens", "4",
+                         "--prompt-tokens", "40", "--repeats", "1", "--warmup", "0", "--no-generate",
+                         "--compare-kv", "window:budget=1.0", "window", "--kv-budget", "0.5",
+                         "--output", str(out_file))
+    assert code == 0
+    rows = {row["variant"]: row for row in json.loads(out_file.read_text())[0]["rows"]}
+    whole = next(row for name, row in rows.items() if name.startswith("window (100% of prompt"))
+    half = next(row for name, row in rows.items() if name.startswith("window (50% of prompt"))
+    assert whole["kv_bytes"] > half["kv_bytes"] > 0
+    code, _, err = run_cli(capsys, "bench", "--model", model_dir, "--compare-kv", "window:budget=0", "--no-generate")
+    assert code == 2 and "KV budget 0 is invalid" in err  # refused before the model loads
+
+
 def test_generate_and_bench_under_disk_offload(capsys, model_dir, tmp_path):
     """--device-map auto with a --max-memory smaller than the model: the same tokens, and the weights moved."""
     offload = ["--device-map", "auto", "--max-memory", "cpu:600KB", "--offload-dir", str(tmp_path / "offload")]
