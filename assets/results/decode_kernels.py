@@ -85,10 +85,15 @@ def decode(batch: int) -> None:
         fused.attend_score(query, 1.0, keys[i], values[i], positions, qpos, 0, True, scores, True, none, no_start,
                            8192, 1.0)
 
+    def fused_alone(i):  # the same kernel without the score: an unscored policy's evicting layer (window, streaming)
+        fused.attend_score(query, 1.0, keys[i], values[i], positions, qpos, 0, True, none, False, none, no_start,
+                           8192, 1.0)
+
     print(f"# decode: microseconds per layer and step, batch {batch}")
     for name, fn in [("SDPA over 2049 slots (full model)", sdpa_full), ("SDPA over 1025 slots", sdpa),
                      ("scoring attention over 1025 slots", scoring),
-                     *([("fused scoring attention, 1025 slots", fused_scoring)] if fused else []),
+                     *([("fused scoring attention, 1025 slots", fused_scoring),
+                        ("fused attention alone, 1025 slots", fused_alone)] if fused else []),
                      ("Keyformer noise for 1025 slots", noise)]:
         print(f"{name:<36} cold {per_call_us(fn, between=stream_weights):8.1f}   "
               f"warm {per_call_us(fn, layers=1, rounds=200 // batch):8.1f}", flush=True)

@@ -22,9 +22,10 @@ TTFT = "bench_kv_llama350m_4k_ttft.json"
 
 
 def policy_name(variant: str) -> str:
-    """``"snapkv (50% of prompt, recent 30%, observe 32, pool 7)"`` -> ``"snapkv (observe 32, pool 7)"``."""
+    """``"snapkv (50% of prompt, recent 30%, observe 32, pool 7)"`` -> ``"snapkv (observe 32, pool 7)"``: the
+    table's own budget (50%) and recent window go; another budget stays (``"window (100% of prompt)"``)."""
     name, _, rest = variant.partition(" (")
-    options = [o for o in rest.rstrip(")").split(", ") if o and not re.match(r"(\d+% of prompt|recent \d+%)$", o)]
+    options = [o for o in rest.rstrip(")").split(", ") if o and not re.match(r"(50% of prompt|recent \d+%)$", o)]
     return f"{name} ({', '.join(options)})" if options else name
 
 

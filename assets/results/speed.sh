@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # The speed figures quoted in the README, every one against the full model in the same interleaved run.
-# Run from the repository root on a quiet machine: bash assets/results/speed.sh
+# Run from the repository root on a quiet machine: bash assets/results/speed.sh [BLOCK ...]
+# Blocks: engine skip frontier kv app offload (default: all, in that order).
 set -euo pipefail
 out=assets/results
 py=".venv/bin/python -m skipkey bench"
 
+engine() {
+
 # Engine full mode vs model.generate, embedded model, batch 1 (issue: engine >= 0.95x generate).
 $py --model embedded --prompt-tokens 128 --max-new-tokens 64 --batch 1 --repeats 5 \
     --output $out/bench_engine.json
+}
 
+skip() {
 # SkipDecode at nominal 1.5x, 2x, 3x, 5x, batch 1 and 8: embedded model, and random OPT-1.3B shape.
 $py --model embedded --prompt-tokens 64 --max-new-tokens 32 --batch 1 8 --repeats 2 \
     --compare-targets 1.5 2 3 5 --output $out/bench_skip_embedded.json
@@ -21,7 +26,9 @@ $py --model random:opt-1.3b --prompt-tokens 64 --max-new-tokens 64 --batch 1 --r
 # Tuned (SkipDecode LoRA merged) against untuned at the same schedules: equal speed expected.
 $py --model embedded --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 5 --compare-targets 2 3 \
     --adapter assets/skipdecode-lora --output $out/bench_tuned.json
+}
 
+frontier() {
 # The SkipDecode frontier (issue 13): each layer policy at the tuned evaluation's targets with the measured-best
 # shapes, untuned and tuned (the committed adapter), batch 1, 64 tokens; assets/results/frontier.py joins these to
 # the tuned evaluation's accuracy.
@@ -29,13 +36,16 @@ for policy in top importance; do
   $py --model embedded --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 3 --skip-policy $policy \
       --compare-targets 1.25 1.5 2 3 --adapter assets/skipdecode-lora --output $out/bench_skip_frontier_$policy.json
 done
+}
 
+kv() {
 # KV policies at 50% of the prompt (issue 11): every policy, the recommended query-aware Keyformer and Keyformer
 # evicting every 8 steps, each in lockstep beside the full model. A multi-head Llama shape whose attention over the
 # cache is a real share of each step, at batch 1 and 8; the embedded model at batch 1. Batch-1 rows first run every
 # pair once untimed at full length (--warmup 1); the batch-8 rows, whose prompt passes take minutes here, only the
-# short warm-up.
-kv="window streaming h2o keyformer tova snapkv keyformer:observe=8,pool=7 keyformer:evict_every=8"
+# short warm-up. `window:budget=1.0` keeps the whole prompt through the same fused attention kernel the evicting
+# layers use: its row is what the attention path alone buys against the full model's SDPA, with nothing evicted.
+kv="window:budget=1.0 window streaming h2o keyformer tova snapkv keyformer:observe=8,pool=7 keyformer:evict_every=8"
 $py --model random:llama-mha-350m --prompt-tokens 2048 --max-new-tokens 24 --batch 1 --warmup 1 --repeats 2 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_2k.json
 $py --model random:llama-mha-350m --prompt-tokens 4096 --max-new-tokens 24 --batch 1 --warmup 1 --repeats 1 \
@@ -51,12 +61,26 @@ $py --model random:llama-mha-350m --prompt-tokens 4096 --max-new-tokens 16 --bat
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_4k_b8.json
 $py --model embedded --prompt-tokens 2048 4096 --max-new-tokens 32 --batch 1 --warmup 1 --repeats 2 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_embedded.json
+}
 
+app() {
 # The app's measured speedup with chromium open on this machine, against bench on the same configuration.
 .venv/bin/python assets/results/app_timing.py --repeats 3
+}
 
+offload() {
 # SkipDecode under disk offload (issue 14): the embedded model with layers 1-17 on the disk, both sides under the
 # same map; the transfer ratio beside the compute ratio.
 $py --model embedded --dtype float32 --device-map auto --max-memory cpu:700MiB --offload-dir /tmp/skipkey-offload \
     --prompt-tokens 64 --max-new-tokens 32 --batch 1 --repeats 2 --no-generate --compare-targets 1.5 2 3 \
     --output $out/bench_offload_embedded.json
+}
+
+blocks=("$@")
+[ ${#blocks[@]} -gt 0 ] || blocks=(engine skip frontier kv app offload)
+for block in "${blocks[@]}"; do
+  case $block in
+    engine|skip|frontier|kv|app|offload) "$block" ;;
+    *) echo "unknown block $block: choose from engine skip frontier kv app offload" >&2; exit 2 ;;
+  esac
+done
