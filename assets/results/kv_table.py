@@ -3,7 +3,9 @@
     python3 assets/results/kv_table.py
 
 One row per (model, prompt, batch, policy): decode tok/s (each row's own median), the lockstep "vs full" with the
-range over runs (where there were several), the memory-traffic limit, the measured speedup over it, TTFT vs full and the KV cache held (MiB).
+range over runs (where there were several), the memory-traffic limit, the measured speedup over it, then (where the
+run has a ``window:budget=1.0`` row) the speedup over that row and over the bytes limit against it, TTFT vs full and
+the KV cache held (MiB).
 Then the time-to-first-token run at 4k (five alternating repeats): each policy's median TTFT and the median and range
 of its runs' own ratios to the full model's.
 """
@@ -29,19 +31,36 @@ def policy_name(variant: str) -> str:
     return f"{name} ({', '.join(options)})" if options else name
 
 
+REFERENCE = "window (100% of prompt"  # keeps the whole prompt through the evicting layers' attention kernel
+
+
+def against_reference(row: dict, reference: dict | None) -> str:
+    """The row's speedup over the reference row (the same attention kernel, nothing evicted) and that over its
+    own bytes limit there: what eviction itself delivers, whatever the full model's attention costs."""
+    if reference is None or row is reference or row["variant"] == "full":
+        return "| – | – "
+    gain = row["speedup_vs_full"] / reference["speedup_vs_full"]
+    limit = row["ideal_ratio"] / reference["ideal_ratio"]
+    return f"| {gain:.2f}x | {gain / limit:.2f} "
+
+
 def main() -> None:
     print("| model | prompt | batch | policy | decode tok/s | vs full (runs' range) | bytes limit | of limit "
-          "| TTFT vs full | KV MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| vs window 100% | of its limit | TTFT vs full | KV MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model, name in FILES:
         for run in json.loads((HERE / name).read_text()):
-            for row in run["rows"]:
-                spread = row.get("speedup_range")
-                ratio = f"{row['speedup_vs_full']:.2f}x" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread and run["repeats"] > 1 else "")
-                prompt = run["prompt_tokens"] if isinstance(run["prompt_tokens"], int) else run["prompt_tokens"][0]
-                print(f"| {model} | {row.get('prompt', prompt)} | {run['batch']} | {policy_name(row['variant'])} "
-                      f"| {row['tokens_per_s']:.1f} | {ratio} | {row['ideal_ratio']:.2f}x "
-                      f"| {row['measured_over_ideal']:.2f} | {row['ttft_vs_full']:.2f}x | {row['kv_bytes'] / 2**20:.1f} |")
+            prompts = {row.get("prompt") for row in run["rows"]}
+            for prompt_rows in ([r for r in run["rows"] if r.get("prompt") == p] for p in sorted(prompts, key=str)):
+                reference = next((r for r in prompt_rows if r["variant"].startswith(REFERENCE)), None)
+                for row in prompt_rows:
+                    spread = row.get("speedup_range")
+                    ratio = f"{row['speedup_vs_full']:.2f}x" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread and run["repeats"] > 1 else "")
+                    prompt = run["prompt_tokens"] if isinstance(run["prompt_tokens"], int) else run["prompt_tokens"][0]
+                    print(f"| {model} | {row.get('prompt', prompt)} | {run['batch']} | {policy_name(row['variant'])} "
+                          f"| {row['tokens_per_s']:.1f} | {ratio} | {row['ideal_ratio']:.2f}x "
+                          f"| {row['measured_over_ideal']:.2f} {against_reference(row, reference)}"
+                          f"| {row['ttft_vs_full']:.2f}x | {row['kv_bytes'] / 2**20:.1f} |")
 
     path = HERE / TTFT
     if not path.exists():
