@@ -7,7 +7,8 @@ Each part is a function of ``skipkey.attention`` / ``skipkey.cache`` / ``skipkey
 wrapped with a timer (a few microseconds per call), on the Llama-MHA-350M shape (random weights, bf16), one policy
 after another in one process. Parts nest: "attention" contains "write", "mask", "SDPA" or "decode attention + score",
 and that contains "score contribution", which contains "Gumbel noise" (eager path only: the fused kernel of
-``skipkey.kernels`` does both inside "decode attention + score"). "eviction" runs after each layer.
+``skipkey.kernels`` does both inside "decode attention + score"); "decode attention alone" is the same kernel without
+the score (an unscored policy's evicting layers: window, streaming). "eviction" runs after each layer.
 A profile, not a benchmark: the speed ratios are bench's (lockstep); read this for where a step's milliseconds go.
 """
 
@@ -55,6 +56,7 @@ def timed(owner, name: str, label: str) -> None:
 PARTS = [(attention, "skipkey_attention", "attention"), (cache.LayerCache, "write", "write"),
          (attention, "_mask_for_output", "mask"), (attention, "sdpa_attention_forward", "SDPA"),
          (attention, "_attend_and_score", "decode attention + score"),
+         (attention, "_attend_fused", "decode attention alone"),
          (attention.ScoreContribution, "__call__", "score contribution"),
          (attention, "gumbel_noise", "Gumbel noise"), (engine_module._Retention, "after", "eviction")]
 
@@ -65,7 +67,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--max-new-tokens", type=int, default=20)
     parser.add_argument("--policies", nargs="+",
-                        default=["full", "window", "h2o", "keyformer", "tova", "keyformer:observe=8,pool=7"])
+                        default=["full", "window", "streaming", "h2o", "keyformer", "tova",
+                                 "keyformer:observe=8,pool=7"])
     args = parser.parse_args()
     for owner, name, label in PARTS:
         timed(owner, name, label)
