@@ -265,25 +265,28 @@ def _attend_and_score_fused(fused, layer, layer_idx: int, query, key, value, sca
                             state: StepState) -> torch.Tensor:
     """``_attend_and_score`` in one C++ call (``skipkey.kernels``): the keys and values are read once,
     the scores updated in place. The scaled query, logits and output accumulate in float32."""
-    b, hq, _, d = query.shape
+    b, hq = query.shape[:2]
     hkv = key.shape[1]
-    groups = hq // hkv
     contribution = state.contribution
-    noise = _fused_noise(contribution, layer_idx, hkv, groups, state.query_positions, state.position_limit)
+    noise = _fused_noise(contribution, layer_idx, hkv, hq // hkv, state.query_positions, state.position_limit)
     scores = _per_head_scores(layer, b, hkv)[..., layer.visible()]
+    return _attend_fused(fused, layer, query, key, value, scaling, positions, state,
+                         (scores, state.accumulate, *noise, NOISE_COLS, float(contribution.tau)))
+
+
+_UNSCORED = (_NO_SCORES, False, *_NO_NOISE, NOISE_COLS, 1.0)  # ``attend_score``'s scoring arguments: none
+
+
+def _attend_fused(fused, layer, query, key, value, scaling: float, positions, state: StepState,
+                  scoring: tuple = _UNSCORED) -> torch.Tensor:
+    """A decode step's attention in the fused kernel; by default without the score: an evicting layer of an
+    unscored policy, whose out-of-order slots SDPA would need a mask for, and where SDPA runs several times
+    below memory speed on CPUs without AMX (``assets/results/decode_kernels.txt``). Full mode keeps SDPA,
+    so it stays ``generate``'s token for token."""
+    b, hq, _, d = query.shape
     # A decode query needs a mask exactly where the layer is not dense (``_mask_for_output``).
     out = fused.attend_score(query, scaling, key, value, positions, state.query_positions.reshape(b), layer.window or 0,
-                             not layer.dense, scores, state.accumulate, *noise, NOISE_COLS, float(contribution.tau))
-    return out.view(b, hq, 1, d).transpose(1, 2)
-
-
-def _attend_fused(fused, layer, query, key, value, scaling: float, positions, state: StepState) -> torch.Tensor:
-    """A decode step's attention over an evicting layer's out-of-order slots, in the fused kernel without
-    the score (SDPA needs a mask there, and runs several times below memory speed on CPUs without AMX:
-    ``assets/results/decode_kernels.txt``). Full mode keeps SDPA, so it stays ``generate``'s token for token."""
-    b, hq, _, d = query.shape
-    out = fused.attend_score(query, scaling, key, value, positions, state.query_positions.reshape(b), layer.window or 0,
-                             not layer.dense, _NO_SCORES, False, *_NO_NOISE, NOISE_COLS, 1.0)
+                             not layer.dense, *scoring)
     return out.view(b, hq, 1, d).transpose(1, 2)
 
 
