@@ -7,13 +7,15 @@ range over runs (where there were several), the memory-traffic limit, the measur
 run has a ``window:budget=1.0`` row) the speedup over that row and over the bytes limit against it, TTFT vs full and
 the KV cache held (MiB).
 Then the time-to-first-token run at 4k (five alternating repeats): each policy's median TTFT and the median and range
-of its runs' own ratios to the full model's.
+of its runs' own ratios to the full model's. Then eviction's own gain (``eviction_gain.py``): one column per prompt
+and batch, each policy's lockstep speedup over ``window:budget=1.0`` and its share of the two limits.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from statistics import median
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -21,6 +23,7 @@ FILES = [("llama-mha-350m", "bench_kv_llama350m_2k.json"), ("llama-mha-350m", "b
          ("llama-mha-350m", "bench_kv_llama350m_2k_b8.json"), ("llama-mha-350m", "bench_kv_llama350m_4k_b8.json"),
          ("embedded", "bench_kv_embedded.json")]
 TTFT = "bench_kv_llama350m_4k_ttft.json"
+GAIN = ["eviction_gain_2k_b1.json", "eviction_gain_4k_b1.json", "eviction_gain_2k_b8.json", "eviction_gain_4k_b8.json"]
 
 
 def policy_name(variant: str) -> str:
@@ -73,6 +76,27 @@ def main() -> None:
             spread = row.get("ttft_range")
             ratio = f"{row['ttft_vs_full']:.2f}x" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread else "")
             print(f"| {policy_name(row['variant'])} | {row['ttft_s']:.2f} | {ratio} |")
+    eviction_gain_table()
+
+
+def eviction_gain_table() -> None:
+    runs = [json.loads((HERE / name).read_text()) for name in GAIN if (HERE / name).exists()]
+    if not runs:
+        return
+    print("\n| | " + " | ".join(f"{r['prompt_tokens']}, batch {r['batch']}" for r in runs) + " |")
+    print("|---|" + "---|" * len(runs))
+    print("| bytes limit | " + " | ".join(f"{median([x['bytes_limit'] for x in r['rows']]):.2f}x" for r in runs) + " |")
+    print("| attention-time limit (reference's attention share) | " + " | ".join(
+        f"{median([x['attention_time_limit'] for x in r['rows']]):.2f}x "
+        f"({median([x['reference_attention_share'] for x in r['rows']]):.0%})" for r in runs) + " |")
+    for i, row in enumerate(runs[0]["rows"]):
+        cells = []
+        for r in runs:
+            x = r["rows"][i]
+            assert x["policy"] == row["policy"], "every run lists the same policies"
+            cells.append(f"{x['speedup_vs_reference']:.2f}x ({x['range'][0]:.2f}–{x['range'][1]:.2f}): "
+                         f"{x['of_limit']:.2f} / {x['of_time_limit']:.2f}")
+        print(f"| {row['policy']} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

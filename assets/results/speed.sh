@@ -61,6 +61,12 @@ $py --model random:llama-mha-350m --prompt-tokens 4096 --max-new-tokens 16 --bat
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_4k_b8.json
 $py --model embedded --prompt-tokens 2048 4096 --max-new-tokens 32 --batch 1 --warmup 1 --repeats 2 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_embedded.json
+# Eviction's own gain: each policy in lockstep beside `window:budget=1.0` (the same kernel, nothing evicted), both
+# from one recorded prompt pass, three runs of 32 decode steps; the ratio-of-ratios above is too noisy at batch 8.
+for batch in 1 8; do for tokens in 2048 4096; do
+  .venv/bin/python assets/results/eviction_gain.py --prompt-tokens $tokens --batch $batch \
+      --output $out/eviction_gain_$((tokens / 1024))k_b$batch.json
+done; done
 }
 
 app() {
