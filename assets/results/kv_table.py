@@ -66,9 +66,7 @@ def main() -> None:
                           f"| {row['ttft_vs_full']:.2f}x | {row['kv_bytes'] / 2**20:.1f} |")
 
     path = HERE / TTFT
-    if not path.exists():
-        return
-    for run in json.loads(path.read_text()):
+    for run in json.loads(path.read_text()) if path.exists() else []:
         print(f"\n{run['repeats']} runs beside the full model, prompt {run['prompt_tokens']}, batch {run['batch']}\n")
         print("| policy | TTFT s (median) | TTFT vs full (runs' range) |")
         print("|---|---|---|")
