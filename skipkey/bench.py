@@ -21,7 +21,7 @@ from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
 from skipkey.metrics import (Compute, Speed, StepCost, Traffic, Transfer, compute, memory, speed, step_cost, traffic,
                              transfer)
-from skipkey.trace import Trace, lockstep
+from skipkey.trace import Trace, run_lockstep
 
 FILLER = ("The committee met on a grey morning to review the harbour's accounts. Ships had come and gone, "
           "cargo was weighed, and the clerks wrote every figure twice. ")
@@ -106,13 +106,7 @@ def time_lockstep(full: Engine, engine: Engine, prompt_ids: list[list[int]],
     ``first_round`` = the repeat's index alternates it between repeats.
     """
     traces = (Trace.for_engine(full), Trace.for_engine(engine))
-    streams = [full.generate(prompt_ids, settings), engine.generate(prompt_ids, settings)]
-    try:
-        for _ in lockstep(streams, traces, first_round):
-            pass
-    finally:
-        for stream in streams:
-            stream.close()
+    run_lockstep([full.generate(prompt_ids, settings), engine.generate(prompt_ids, settings)], traces, first_round)
     return _sample(traces[0]), _sample(traces[1])
 
 

@@ -116,6 +116,16 @@ def lockstep(streams: Sequence[Iterator[StepEvent]], traces: Sequence[Trace], fi
         yield
 
 
+def run_lockstep(streams: Sequence[Iterator[StepEvent]], traces: Sequence[Trace], first_round: int = 0) -> None:
+    """``lockstep`` to the end, then close the streams (also when a step raises)."""
+    try:
+        for _ in lockstep(streams, traces, first_round):
+            pass
+    finally:
+        for stream in streams:
+            stream.close()
+
+
 def step_order(round_: int) -> tuple[int, int]:
     """Which of two streams (0 or 1) steps first in round ``round_``.
 

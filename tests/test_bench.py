@@ -10,7 +10,7 @@ from skipkey.bench import run_bench, synthetic_prompt
 from skipkey.config import GenerationSettings
 from skipkey.engine import Engine
 from skipkey.kv_policies import make_kv_policy
-from skipkey.trace import Trace, lockstep, step_order
+from skipkey.trace import Trace, lockstep, run_lockstep, step_order
 
 
 def test_lockstep_takes_turns_in_step_order_and_lets_a_finished_stream_drop_out():
@@ -31,6 +31,25 @@ def test_lockstep_takes_turns_in_step_order_and_lets_a_finished_stream_drop_out(
     traces = [Trace(num_layers=1, layer_cost=1.0, head_cost=1.0) for _ in range(2)]
     assert sum(1 for _ in lockstep([stream(0, 2), stream(1, 2)], traces, first_round=1)) == 2
     assert log == [side for r in (1, 2) for side in step_order(r)] and step_order(0) != step_order(1)
+
+
+def test_run_lockstep_closes_both_streams_when_one_raises():
+    closed = []
+
+    def stream(side, fail_at):
+        try:
+            for i in range(5):
+                if i == fail_at:
+                    raise RuntimeError("out of memory")
+                yield (side, i)
+        finally:
+            closed.append(side)
+
+    traces = [Trace(num_layers=1, layer_cost=1.0, head_cost=1.0) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_lockstep([stream(0, None), stream(1, 2)], traces)
+    assert sorted(closed) == [0, 1]  # the raising one ended; the other was closed mid-run
+    assert len(traces[0].events) in (2, 3) and len(traces[1].events) == 2
 
 
 def test_bench_ratios_are_the_medians_of_each_lockstep_runs_own_ratio(tiny_models):

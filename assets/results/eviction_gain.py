@@ -41,7 +41,7 @@ from skipkey.kv_policies import make_kv_policy, parse_policy_spec  # noqa: E402
 from skipkey.metrics import speed, traffic  # noqa: E402
 from skipkey.models import load  # noqa: E402
 from skipkey.provenance import machine_description  # noqa: E402
-from skipkey.trace import Trace, lockstep  # noqa: E402
+from skipkey.trace import Trace, run_lockstep  # noqa: E402
 
 REFERENCE = "window:budget=1.0"
 POLICIES = ["window", "streaming", "h2o", "keyformer", "tova", "snapkv", "keyformer:observe=8,pool=7",
@@ -63,16 +63,19 @@ def timed_attention(module, query, *args, **kwargs):
 
 
 def tagged(stream, side: int):
-    """``stream``'s events, with ``STEPPING`` naming ``side`` while it steps."""
-    while True:
-        STEPPING[0] = side
-        try:
-            event = next(stream, None)
-        finally:
-            STEPPING[0] = None
-        if event is None:
-            return
-        yield event
+    """``stream``'s events, with ``STEPPING`` naming ``side`` while it steps; closing this closes ``stream``."""
+    try:
+        while True:
+            STEPPING[0] = side
+            try:
+                event = next(stream, None)
+            finally:
+                STEPPING[0] = None
+            if event is None:
+                return
+            yield event
+    finally:
+        stream.close()
 
 
 def engine_for(lm, spec: str, budget: float) -> Engine:
@@ -83,16 +86,9 @@ def engine_for(lm, spec: str, budget: float) -> Engine:
 def run_beside(reference: Engine, engine: Engine, prompts, settings, prompt_pass, first_round: int):
     """One lockstep run from the recorded prompt pass: (reference trace, policy trace)."""
     traces = (Trace.for_engine(reference), Trace.for_engine(engine))
-    generators = [reference.generate(prompts, settings, prompt_pass=prompt_pass),
-                  engine.generate(prompts, settings, prompt_pass=prompt_pass)]
-    streams = [tagged(stream, side) for side, stream in enumerate(generators)]
     ATTENTION_SECONDS[:] = [0.0, 0.0]
-    try:
-        for _ in lockstep(streams, traces, first_round):
-            pass
-    finally:
-        for stream in generators:
-            stream.close()
+    run_lockstep([tagged(e.generate(prompts, settings, prompt_pass=prompt_pass), side)
+                  for side, e in enumerate((reference, engine))], traces, first_round)
     return traces
 
 
