@@ -48,15 +48,15 @@ def shape_grid(policy: str) -> list[ScheduleShape]:
     """The shapes screened: linear at every ``b_max`` and ``b_min`` share; warm-up 2 and 3 (the top policy's
     alone: importance pins its own layers) and power (exponent 2) at the paper's ``b_max`` and 0.72 L;
     constant at each warm-up; and from ``b_max = L``, the decay held back for each ``HOLDS`` share of the
-    steps: linear (warm-up 1 and 2, ``b_min`` as low as reaches and half the constant depth), and power at
-    every other hold."""
+    steps: linear (warm-up 1 and 2, every ``b_min``: a high floor spends less of the budget on the shallowest
+    steps, where the perplexity is made), and power at every other hold."""
     warmups = (1, 2, 3) if policy == "top" else (1,)
     shapes = [ScheduleShape("linear", 1, top, floor) for top in TOPS for floor in FLOORS]
     shapes += [ScheduleShape("linear", w, top, floor) for w in warmups[1:] for top in TOPS[::2] for floor in FLOORS]
     shapes += [ScheduleShape("power", 1, top, floor) for top in TOPS[::2] for floor in FLOORS]
     shapes += [ScheduleShape("constant", w, 0.0, 1.0) for w in warmups]
     shapes += [ScheduleShape("linear", w, 1.0, floor, hold=hold)
-               for w in warmups[:2] for hold in HOLDS for floor in FLOORS[:2]]
+               for w in warmups[:2] for hold in HOLDS for floor in FLOORS]
     shapes += [ScheduleShape("power", 1, 1.0, 0.0, hold=hold) for hold in HOLDS[::2]]
     return shapes
 
@@ -157,14 +157,18 @@ def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
 
 def shortlist(rows: list[dict], per_group: int, held_per_group: int = 1, also: dict | None = None) -> list[dict]:
     """Per (model, policy, target): the ``per_group`` best screened shapes without a hold, by next-token
-    accuracy, the ``held_per_group`` best ``eligible`` held ones, the paper's shape (``b_max = L``, the lowest
+    accuracy, the ``held_per_group`` best ``eligible`` held ones and the eligible held one of the lowest
+    perplexity (a hold's accuracy and its perplexity pull apart: the most accurate spends the least on the
+    tail), the paper's shape (``b_max = L``, the lowest
     ``b_min``) beside them for comparison, and ``also[model]``'s shape for the target where that table has the
     policy (for a tuned model, the shapes its adapter was trained with)."""
     chosen = []
     for (model, policy, target), group in _groups(rows).items():
         by_accuracy = sorted(eligible(group), key=lambda r: -r["next_token_accuracy"])
         best = [r for r in by_accuracy if not _held(r)][:per_group]
-        best += [r for r in by_accuracy if _held(r)][:held_per_group]
+        held = [r for r in by_accuracy if _held(r)]
+        best += held[:held_per_group]
+        best += [r for r in sorted(held, key=lambda r: r["ppl_of_full_continuations"])[:1] if r not in best]
         table = (also or {}).get(model) or {}
         extra = [PAPER_SHAPE] + ([measured_best_shape(target, policy, table)] if policy in table else [])
         for shape in extra:

@@ -73,6 +73,10 @@ def test_the_screen_confirms_a_held_shape_only_within_its_perplexity_tolerance_a
     assert [ScheduleShape(**r["shape"]) for r in shortlist(screened, 1)] == [plain, held]
     also = {"tuned": {"importance": ((1.5, trained),)}}  # the shapes the adapter was trained with
     assert [ScheduleShape(**r["shape"]) for r in shortlist(screened, 1, also=also)] == [plain, held, trained]
+    # Beside the most accurate held shape, the held shape of the lowest perplexity.
+    floored = ScheduleShape(floor=0.75, hold=0.125)
+    screened.append(row(floored, 0.75, 3.1))
+    assert [ScheduleShape(**r["shape"]) for r in shortlist(screened, 1)] == [plain, held, floored]
 
 
 def test_frontier_joins_quality_to_the_measured_speed_of_the_same_schedule():
