@@ -428,6 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-dtype", default=None,
                    help="the student's dtype (default: --dtype); bfloat16 is several times faster on AMX CPUs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-adapter", default=None, metavar="DIR",
+                   help="start from this adapter's LoRA weights (trained for this model with the same rank, alpha, "
+                        "policy and --applies-at), e.g. to go on training it at other shapes or on new data")
+    p.add_argument("--shapes-from", default=None, metavar="DIR",
+                   help="train with this adapter's serving shapes (from `shapes --adapter DIR --record`) instead "
+                        "of the untuned model's measured shapes")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--work-dir", default=None, help="checkpoints (default: under the SkipKey cache)")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in the work dir")

@@ -71,8 +71,12 @@ from skipkey.lora import (
     APPLIES_AT,
     SKIPPING_STEPS,
     adapter_megabytes,
+    adapter_schedule,
+    applies_at,
+    check_compatible,
     fingerprint,
     lora_targets,
+    read_metadata,
     save_adapter,
 )
 from skipkey.prompts import TRAINING_PROMPTS_VERSION, TRAINING_TEXT_VERSION, training_prompts, training_text
@@ -112,6 +116,8 @@ class FinetuneConfig:
     min_skipped: int = 1  # a skip-only adapter applies at steps that skip at least this many layers
     train_dtype: str | None = None  # the student's dtype (default: --dtype); the teacher data stays in --dtype
     seed: int = 0
+    init_adapter: str | None = None  # start from this adapter's LoRA weights (same rank, modules, policy, gating)
+    shapes_from: str | None = None  # train with this adapter's serving shapes (default: MEASURED_SHAPES)
     checkpoint_every: int = 10
     device: str | None = None
     dtype: str = "float32"
@@ -324,18 +330,31 @@ def make_batch(data: dict, rows: list[int], gen_len: int) -> dict:
 
 
 # -- schedule, loss, learning rate ----------------------------------------------------------
+def training_shapes(cfg: FinetuneConfig) -> dict:
+    """The shape table the run draws its schedules from, for ``cfg.skip_policy``: ``MEASURED_SHAPES``, or the
+    serving shapes of the adapter ``cfg.shapes_from`` (a study measured them best for that tuned model)."""
+    if cfg.shapes_from is None:
+        return {cfg.skip_policy: MEASURED_SHAPES[cfg.skip_policy]}
+    policy, table = adapter_schedule(read_metadata(cfg.shapes_from))
+    if policy != cfg.skip_policy or policy not in table:
+        raise InputError(f"the adapter in {cfg.shapes_from} is served with the {policy} policy's shapes; "
+                         f"train with --skip-policy {policy} to use them")
+    return {policy: table[policy]}
+
+
 def draw_layer_sets(num_layers: int, cfg: FinetuneConfig, step: int,
-                    importance: list[float] | None = None) -> tuple[float, list[tuple[int, ...]] | None]:
+                    importance: list[float] | None = None,
+                    shapes: dict | None = None) -> tuple[float, list[tuple[int, ...]] | None]:
     """This step's target speedup and its ``E(t)``, seeded by step: ``cfg.skip_policy`` (``importance``
-    ranks the layers by the batch's measured ``importance``) with the measured-best shape for the target;
-    or, on a ``full_depth_share`` of steps, 1.0 and ``None`` (every layer, so the KL term holds the tuned
-    model's full-depth path on the original's)."""
+    ranks the layers by the batch's measured ``importance``) with the shape ``shapes`` (default: the
+    measured-best) holds for the target; or, on a ``full_depth_share`` of steps, 1.0 and ``None`` (every
+    layer, so the KL term holds the tuned model's full-depth path on the original's)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     low, high = cfg.targets[0], cfg.targets[-1]
     target = low if low == high else rng.uniform(low, high)
     if cfg.full_depth_share and rng.random() < cfg.full_depth_share:
         return 1.0, None
-    skip = make_skipdecode(num_layers, cfg.schedule_steps, target=target, policy=cfg.skip_policy)
+    skip = make_skipdecode(num_layers, cfg.schedule_steps, target=target, policy=cfg.skip_policy, shapes=shapes)
     return target, skip.plan(num_layers, importance).layer_sets(cfg.schedule_steps)
 
 
@@ -383,6 +402,38 @@ def add_lora(model, cfg: FinetuneConfig, targets: list[str]):
 
 def trainable(peft_model) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def init_adapter_metadata(cfg: FinetuneConfig, loaded, targets: list[str]) -> dict:
+    """What ``cfg.init_adapter``'s metadata says of it, for this run's own: refused unless it was trained for this
+    model with this run's rank, alpha, modules, layer policy and gating, so the run goes on training the same
+    kind of adapter (a warm start)."""
+    directory = Path(cfg.init_adapter).expanduser()
+    meta = read_metadata(directory)
+    check_compatible(meta, loaded, directory)
+    lora = meta.get("lora") or {}
+    theirs = {"rank": lora.get("rank"), "alpha": lora.get("alpha"), "target modules": sorted(lora.get("target_modules") or []),
+              "layer policy": (meta.get("schedule") or {}).get("policy", "top"), "applies at": applies_at(meta)}
+    ours = {"rank": cfg.rank, "alpha": cfg.alpha, "target modules": sorted(targets), "layer policy": cfg.skip_policy,
+            "applies at": (cfg.applies_at, cfg.min_skipped if cfg.applies_at == SKIPPING_STEPS else 1)}
+    differ = [f"{k}: {theirs[k]} there, {ours[k]} here" for k in ours if theirs[k] != ours[k]]
+    if differ:
+        raise InputError(f"--init-adapter {directory} was trained as another kind of adapter ({'; '.join(differ)}); "
+                         "give this run the same settings")
+    return {"dir": str(cfg.init_adapter), "steps": (meta.get("training") or {}).get("steps"),
+            **{k: meta.get(k) for k in ("date", "command")}}
+
+
+def load_adapter_weights(peft_model, directory: str | Path) -> None:
+    """Set ``peft_model``'s LoRA weights to those saved in ``directory``, every one of them."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(directory).expanduser() / "adapter_model.safetensors"))
+    loaded_keys = set_peft_model_state_dict(peft_model, state)
+    if loaded_keys.unexpected_keys or len(state) != len(trainable(peft_model)):
+        raise ModelLoadError(f"the weights in {directory} do not match this run's LoRA modules "
+                             f"({len(state)} tensors there, {len(trainable(peft_model))} here)")
 
 
 class SkippingGate:
@@ -472,6 +523,8 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
     for target in cfg.targets:  # refuse a target the model cannot reach before any work is done
         make_skipdecode(num_layers, cfg.schedule_steps, target=target)
     base_fingerprint, targets = fingerprint(loaded.model), lora_targets(loaded.model)
+    shapes = training_shapes(cfg)  # refuse an adapter the run cannot start from or take shapes from, as early
+    init = init_adapter_metadata(cfg, loaded, targets) if cfg.init_adapter else None
     data = build_dataset(loaded, cfg, log)
     # The engine's prompt passes rank each batch's layers (on ``loaded``, which the adapter wraps when the
     # student is not a copy in another dtype).
@@ -484,6 +537,8 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
     peft_model = add_lora(student, cfg, targets)
     gate = SkippingGate(peft_model, cfg.min_skipped) if cfg.applies_at == SKIPPING_STEPS else None
     try:
+        if cfg.init_adapter:
+            load_adapter_weights(peft_model, cfg.init_adapter)
         arch = get_architecture(student)
         params = trainable(peft_model)
         optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
@@ -507,7 +562,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
                 scores = batch_importance(ranker, data, rows)
                 if gate is not None:
                     gate(None)
-            target, layer_sets = draw_layer_sets(num_layers, cfg, step, scores)
+            target, layer_sets = draw_layer_sets(num_layers, cfg, step, scores, shapes)
             batch = {k: v.to(device) if torch.is_tensor(v) else v
                      for k, v in make_batch(data, rows, cfg.gen_len).items()}
             loss, lm, kl = skipdecode_loss(arch, batch, layer_sets, cfg.kl_weight, gate)
@@ -523,7 +578,8 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
                 f"target {target:.2f}x | lr {lr:.1e} | {took:.1f} s | ETA {took * (cfg.steps - step - 1) / 60:.0f} min")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 save_checkpoint(ckpt, step + 1, peft_model, optimizer, history, seconds, cfg)
-        metadata = describe_run(cfg, loaded, base_fingerprint, targets, history, seconds, data, train_dtype)
+        metadata = describe_run(cfg, loaded, base_fingerprint, targets, history, seconds, data, train_dtype,
+                                shapes, init)
         save_adapter(peft_model, cfg.out, metadata)
         log(f"adapter written to {cfg.out} ({adapter_megabytes(cfg.out):.1f} MB) after {seconds / 60:.1f} min")
         return metadata
@@ -535,7 +591,8 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
 
 
 def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: list[str], history: list,
-                 seconds: float, data: dict, train_dtype: torch.dtype | None = None) -> dict:
+                 seconds: float, data: dict, train_dtype: torch.dtype | None = None, shapes: dict | None = None,
+                 init: dict | None = None) -> dict:
     import peft
     import transformers
 
@@ -552,7 +609,8 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
                      "the importance policy in the forward pass: each batch's layers ranked by the change they "
                      "make on its prompts (skipkey.schedules.layer_importance), as the engine ranks a batch's"),
         "schedule": {"policy": cfg.skip_policy,
-                     "shapes": shapes_to_json({cfg.skip_policy: MEASURED_SHAPES[cfg.skip_policy]}),
+                     "shapes": shapes_to_json(shapes or training_shapes(cfg)),
+                     **({"shapes_from": cfg.shapes_from} if cfg.shapes_from else {}),
                      "rule": "skipkey.schedules.ScheduleShape.schedule: the nearest target's shape",
                      "targets": list(cfg.targets),
                      "draw": "fixed" if len(cfg.targets) == 1 else "uniform per batch",
@@ -570,7 +628,7 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
                  "teacher": f"the full model ({str(loaded.dtype).replace('torch.', '')}): top-{TEACHER_TOP_K} "
                             "log-probs at each continuation position",
                  "minutes": round(data.get("seconds", 0) / 60, 1)},
-        "training": {"steps": len(history), "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup_steps": cfg.warmup_steps,
+        "training": {"steps": len(history), **({"init_adapter": init} if init else {}), "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup_steps": cfg.warmup_steps,
                      "min_lr_ratio": cfg.min_lr_ratio, "kl_weight": cfg.kl_weight, "optimizer": "AdamW",
                      "grad_clip": GRAD_CLIP, "dtype": str(train_dtype or loaded.dtype).replace("torch.", ""),
                      "device": str(loaded.device), "threads": torch.get_num_threads(),
@@ -599,7 +657,8 @@ def main(args) -> int:
                          gen_len=args.gen_len, sequences=args.sequences, text_sequences=args.text_sequences,
                          text_prompt_len=args.text_prompt_len, full_depth_share=args.full_depth_share,
                          applies_at=args.applies_at, min_skipped=args.min_skipped,
-                         train_dtype=args.train_dtype, seed=args.seed,
+                         train_dtype=args.train_dtype, seed=args.seed, init_adapter=args.init_adapter,
+                         shapes_from=args.shapes_from,
                          checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype)
     if args.resume and args.restart:
         raise InputError("--resume and --restart exclude each other")

@@ -23,8 +23,9 @@ from skipkey.finetune import (
     make_batch,
     skipdecode_loss,
     train,
+    training_shapes,
 )
-from skipkey.lora import METADATA_FILE, SKIPPING_STEPS, fingerprint, load_tuned
+from skipkey.lora import METADATA_FILE, SKIPPING_STEPS, fingerprint, load_tuned, record_serving_shapes
 from skipkey.schedules import ScheduleShape
 from skipkey.skipdecode import make_skipdecode
 from skipkey.teacher_forced import teacher_forced_logits
@@ -274,6 +275,41 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default_only(
     assert "resumed from step 2" in said[1]
 
 
+def test_a_warm_start_begins_at_the_adapters_weights_and_refuses_another_kind(trained, cache):
+    lm, cfg, _ = trained
+    start = load_file(str(Path(cfg.out) / "adapter_model.safetensors"))
+    # So small a learning rate that the run ends where it began: at the adapter's weights, not at LoRA's init.
+    warm = dataclasses.replace(cfg, out=str(cache / "warm"), steps=2, lr=1e-12, init_adapter=cfg.out)
+    meta = train(warm, lm, work_dir=cache / "w", log=quiet)
+    end = load_file(str(cache / "warm" / "adapter_model.safetensors"))
+    assert end.keys() == start.keys() and any(v.abs().sum() > 0 for k, v in start.items() if "lora_B" in k)
+    for key in start:
+        torch.testing.assert_close(end[key], start[key], rtol=0, atol=1e-9)
+    assert meta["training"]["init_adapter"]["dir"] == cfg.out and meta["training"]["init_adapter"]["steps"] == 20
+    with pytest.raises(InputError, match="rank: 8 there, 4 here"):  # before any work: no data is built
+        train(dataclasses.replace(warm, rank=4), lm, work_dir=cache / "w2", log=quiet)
+    with pytest.raises(InputError, match="layer policy: top there, importance here"):
+        train(dataclasses.replace(warm, skip_policy="importance"), lm, work_dir=cache / "w3", log=quiet)
+    with pytest.raises(ModelLoadError, match="trained for model"):
+        train(dataclasses.replace(warm, model="tiny-llama"), tiny_model("llama"), work_dir=cache / "w4", log=quiet)
+
+
+def test_shapes_from_trains_with_the_adapters_serving_shapes(trained, cache):
+    lm, cfg, _ = trained
+    served = ScheduleShape("power", 1, 1.0, 0.0)  # decays from every layer, where the measured shape is flat
+    adapter = relabelled_adapter(Path(cfg.out), cache / "served", "top")
+    record_serving_shapes(adapter, {"top": ((2.0, served),)}, {"command": "test"})
+    run = dataclasses.replace(cfg, targets=(2.0,), shapes_from=str(adapter))
+    assert training_shapes(run) == {"top": ((2.0, served),)}
+    _, layer_sets = draw_layer_sets(lm.num_layers, run, 0, shapes=training_shapes(run))
+    expected = make_skipdecode(lm.num_layers, run.schedule_steps, target=2.0, policy="top",
+                               shapes={"top": ((2.0, served),)})
+    assert layer_sets == expected.plan(lm.num_layers, None).layer_sets(run.schedule_steps)
+    assert layer_sets != draw_layer_sets(lm.num_layers, dataclasses.replace(run, shapes_from=None), 0)[1]
+    with pytest.raises(InputError, match="train with --skip-policy top"):
+        training_shapes(dataclasses.replace(run, skip_policy="importance"))
+
+
 def test_the_importance_policy_drops_each_batchs_least_important_layers_as_the_engine_ranks_them(cache):
     lm = tiny_model("gemma3")
     cfg = FinetuneConfig(model=lm.name, out=str(cache / "x"), **{**TINY, "skip_policy": "importance"})
@@ -301,9 +337,9 @@ def test_an_importance_adapter_trains_records_its_policy_and_the_cli_serves_it_s
                                                                     "steps": 20})
     ranked, draw = {}, finetune.draw_layer_sets
 
-    def recording(num_layers, config, step, scores=None):
+    def recording(num_layers, config, step, scores=None, shapes=None):
         ranked[step] = scores
-        return draw(num_layers, config, step, scores)
+        return draw(num_layers, config, step, scores, shapes)
 
     monkeypatch.setattr(finetune, "draw_layer_sets", recording)
     meta = train(cfg, lm, work_dir=cache / "w", log=quiet)
