@@ -181,11 +181,15 @@ def confirm(models: dict, rows: list[dict], prompts: list[str], max_new_tokens: 
             done: list[dict] = ()) -> list[dict]:
     """All four quality measures of the shortlisted shapes on every held-out prompt (stage 2).
 
-    ``done``: confirmed rows of an earlier run on the same prompts (``--resume``), not run again."""
+    ``done``: confirmed rows of an earlier run on the same prompts (``--resume``), not run again, and kept after
+    the shortlist's rows where this shortlist has left them out: each was measured on every prompt, so it stays a
+    candidate (an earlier winner among them)."""
     earlier = {_key(row): row for row in done}
     todo = [row for row in rows if _key(row) not in earlier]
     measured = {_key(row): row for row in _measure(models, todo, prompts, max_new_tokens, log)} if todo else {}
-    return [earlier.get(_key(row)) or measured[_key(row)] for row in rows]
+    chosen = {_key(row) for row in rows}
+    return [earlier.get(_key(row)) or measured[_key(row)] for row in rows] + [
+        row for row in done if _key(row) not in chosen]
 
 
 def _measure(models: dict, rows: list[dict], prompts: list[str], max_new_tokens: int, log) -> list[dict]:

@@ -8,8 +8,8 @@ import pytest
 
 from skipkey.errors import InputError
 from skipkey.schedules import MEASURED_SHAPES, PAPER_SHAPE, ScheduleShape
-from skipkey.shapes import (candidates, frontier_figure, frontier_quality, frontier_rows, shape_grid, shortlist,
-                            winners)
+from skipkey.shapes import (candidates, confirm, frontier_figure, frontier_quality, frontier_rows, shape_grid,
+                            shortlist, winners)
 
 STUDY = Path(__file__).resolve().parents[1] / "assets" / "results" / "shape_study.json"
 
@@ -36,6 +36,25 @@ def test_shortlist_keeps_the_best_per_group_and_the_paper_shape():
     rows += [_row("untuned", "top", 2.0, PAPER_SHAPE, 0.1), _row("untuned", "top", 3.0, shapes[0], 0.2)]
     chosen = shortlist(rows, 2)
     assert [r["next_token_accuracy"] for r in chosen] == [0.6, 0.5, 0.1, 0.2]
+
+
+def test_a_resumed_confirm_measures_only_what_is_new_and_keeps_every_earlier_row():
+    a, b, c = (ScheduleShape(floor=f) for f in (0.5, 0.75, 0.9))
+
+    def row(shape, accuracy):  # keyed by its schedule, as the screen writes it
+        return dict(_row("tuned", "importance", 1.5, shape, accuracy), schedule=repr(shape))
+
+    earlier, shortlisted = [row(a, 0.7), row(b, 0.8)], [row(a, 0.6), row(c, 0.6)]
+    with pytest.MonkeyPatch.context() as mp:
+        measured = []
+        mp.setattr("skipkey.shapes._measure", lambda models, rows, *args: measured.extend(rows) or
+                   [{**row, "next_token_accuracy": 0.75} for row in rows])
+        rows = confirm({}, shortlisted, [], 8, print, done=earlier)
+    assert [r["shape"] for r in measured] == [asdict(c)]  # a was confirmed before: not run again
+    # The shortlist's rows, a as measured before; then b, which this shortlist left out but which stays a candidate.
+    assert [(r["shape"], r["next_token_accuracy"]) for r in rows] == [(asdict(a), 0.7), (asdict(c), 0.75),
+                                                                      (asdict(b), 0.8)]
+    assert winners(rows, "tuned") == {"importance": [(1.5, b)]}
 
 
 def test_winners_take_the_best_accuracy_then_rouge_per_policy_and_target():
