@@ -548,7 +548,7 @@ MEASURED_SHAPES: dict[str, tuple[tuple[float, ScheduleShape], ...]] = {
             (3.0, ScheduleShape("linear", warmup=1, top=1.0, floor=0.5, hold=0.1875))),
     "importance": ((1.5, PAPER_SHAPE),
                    (2.0, ScheduleShape("linear", warmup=1, top=1.0, floor=0.5, hold=0.25)),
-                   (3.0, ScheduleShape("power", warmup=1, top=1.0, floor=0.0))),
+                   (3.0, ScheduleShape("linear", warmup=1, top=1.0, floor=0.75, hold=0.125))),
 }
 
 
