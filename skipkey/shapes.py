@@ -186,13 +186,15 @@ def confirm(models: dict, rows: list[dict], prompts: list[str], max_new_tokens: 
     candidate (an earlier winner among them)."""
     earlier = {_key(row): row for row in done}
     todo = [row for row in rows if _key(row) not in earlier]
-    measured = {_key(row): row for row in _measure(models, todo, prompts, max_new_tokens, log)} if todo else {}
+    measured = {_key(row): row for row in measure_rows(models, todo, prompts, max_new_tokens, log)} if todo else {}
     chosen = {_key(row) for row in rows}
     return [earlier.get(_key(row)) or measured[_key(row)] for row in rows] + [
         row for row in done if _key(row) not in chosen]
 
 
-def _measure(models: dict, rows: list[dict], prompts: list[str], max_new_tokens: int, log) -> list[dict]:
+def measure_rows(models: dict, rows: list[dict], prompts: list[str], max_new_tokens: int, log) -> list[dict]:
+    """The four quality measures of each row's shape (``model``, ``policy``, ``target``, ``shape``) on ``prompts``,
+    against ``models["untuned"]``'s own continuations."""
     reference = models["untuned"]
     steps = decode_steps(max_new_tokens)
     configs = []

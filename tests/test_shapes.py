@@ -47,7 +47,7 @@ def test_a_resumed_confirm_measures_only_what_is_new_and_keeps_every_earlier_row
     earlier, shortlisted = [row(a, 0.7), row(b, 0.8)], [row(a, 0.6), row(c, 0.6)]
     with pytest.MonkeyPatch.context() as mp:
         measured = []
-        mp.setattr("skipkey.shapes._measure", lambda models, rows, *args: measured.extend(rows) or
+        mp.setattr("skipkey.shapes.measure_rows", lambda models, rows, *args: measured.extend(rows) or
                    [{**row, "next_token_accuracy": 0.75} for row in rows])
         rows = confirm({}, shortlisted, [], 8, print, done=earlier)
     assert [r["shape"] for r in measured] == [asdict(c)]  # a was confirmed before: not run again
