@@ -412,7 +412,8 @@ def init_adapter_metadata(cfg: FinetuneConfig, loaded, targets: list[str]) -> di
     meta = read_metadata(directory)
     check_compatible(meta, loaded, directory)
     lora = meta.get("lora") or {}
-    theirs = {"rank": lora.get("rank"), "alpha": lora.get("alpha"), "target modules": sorted(lora.get("target_modules") or []),
+    theirs = {"rank": lora.get("rank"), "alpha": lora.get("alpha"),
+              "target modules": sorted(lora.get("target_modules") or []),
               "layer policy": (meta.get("schedule") or {}).get("policy", "top"), "applies at": applies_at(meta)}
     ours = {"rank": cfg.rank, "alpha": cfg.alpha, "target modules": sorted(targets), "layer policy": cfg.skip_policy,
             "applies at": (cfg.applies_at, cfg.min_skipped if cfg.applies_at == SKIPPING_STEPS else 1)}
@@ -628,7 +629,8 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
                  "teacher": f"the full model ({str(loaded.dtype).replace('torch.', '')}): top-{TEACHER_TOP_K} "
                             "log-probs at each continuation position",
                  "minutes": round(data.get("seconds", 0) / 60, 1)},
-        "training": {"steps": len(history), **({"init_adapter": init} if init else {}), "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup_steps": cfg.warmup_steps,
+        "training": {"steps": len(history), **({"init_adapter": init} if init else {}),
+                     "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup_steps": cfg.warmup_steps,
                      "min_lr_ratio": cfg.min_lr_ratio, "kl_weight": cfg.kl_weight, "optimizer": "AdamW",
                      "grad_clip": GRAD_CLIP, "dtype": str(train_dtype or loaded.dtype).replace("torch.", ""),
                      "device": str(loaded.device), "threads": torch.get_num_threads(),
