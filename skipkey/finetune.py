@@ -592,8 +592,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
 
 
 def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: list[str], history: list,
-                 seconds: float, data: dict, train_dtype: torch.dtype | None = None, shapes: dict | None = None,
-                 init: dict | None = None) -> dict:
+                 seconds: float, data: dict, train_dtype: torch.dtype, shapes: dict, init: dict | None) -> dict:
     import peft
     import transformers
 
@@ -610,7 +609,7 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
                      "the importance policy in the forward pass: each batch's layers ranked by the change they "
                      "make on its prompts (skipkey.schedules.layer_importance), as the engine ranks a batch's"),
         "schedule": {"policy": cfg.skip_policy,
-                     "shapes": shapes_to_json(shapes or training_shapes(cfg)),
+                     "shapes": shapes_to_json(shapes),
                      **({"shapes_from": cfg.shapes_from} if cfg.shapes_from else {}),
                      "rule": "skipkey.schedules.ScheduleShape.schedule: the nearest target's shape",
                      "targets": list(cfg.targets),
@@ -632,7 +631,7 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
         "training": {"steps": len(history), **({"init_adapter": init} if init else {}),
                      "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup_steps": cfg.warmup_steps,
                      "min_lr_ratio": cfg.min_lr_ratio, "kl_weight": cfg.kl_weight, "optimizer": "AdamW",
-                     "grad_clip": GRAD_CLIP, "dtype": str(train_dtype or loaded.dtype).replace("torch.", ""),
+                     "grad_clip": GRAD_CLIP, "dtype": str(train_dtype).replace("torch.", ""),
                      "device": str(loaded.device), "threads": torch.get_num_threads(),
                      # The sum of the steps' wall times (other jobs on the machine slow them), and the median
                      # step, which they hardly move: median x steps is what the run costs on a quiet machine.
