@@ -15,7 +15,7 @@ from pathlib import Path
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv_policies import KV_POLICIES, make_kv_policy, parse_budget, parse_policy_spec, policy_options
-from skipkey.lora import APPLIES_AT, SKIPPING_STEPS
+from skipkey.lora import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS
 from skipkey.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
 
@@ -429,11 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the student's dtype (default: --dtype); bfloat16 is several times faster on AMX CPUs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-adapter", default=None, metavar="DIR",
-                   help="start from this adapter's LoRA weights (trained for this model with the same rank, alpha, "
-                        "policy and --applies-at), e.g. to go on training it at other shapes or on new data")
+                   help="start from this adapter's LoRA weights (trained for this model with the same modules, "
+                        "policy, --applies-at and scale alpha / rank, at this rank or a lower one, which grows), e.g. "
+                        "to go on training it at other shapes, on new data or with more capacity")
     p.add_argument("--shapes-from", default=None, metavar="DIR",
                    help="train with this adapter's serving shapes (from `shapes --adapter DIR --record`) instead "
                         "of the untuned model's measured shapes")
+    p.add_argument("--save-dtype", default="float32", choices=SAVE_DTYPES,
+                   help="the dtype of the saved LoRA weights (bfloat16 halves the file; serving merges in --dtype)")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--work-dir", default=None, help="checkpoints (default: under the SkipKey cache)")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in the work dir")

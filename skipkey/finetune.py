@@ -69,6 +69,7 @@ from skipkey.loading import cache_root, load_model, resolve_dtype
 from skipkey.lora import (
     ADAPTER_FORMAT,
     APPLIES_AT,
+    SAVE_DTYPES,
     SKIPPING_STEPS,
     adapter_megabytes,
     adapter_schedule,
@@ -116,8 +117,9 @@ class FinetuneConfig:
     min_skipped: int = 1  # a skip-only adapter applies at steps that skip at least this many layers
     train_dtype: str | None = None  # the student's dtype (default: --dtype); the teacher data stays in --dtype
     seed: int = 0
-    init_adapter: str | None = None  # start from this adapter's LoRA weights (same rank, modules, policy, gating)
+    init_adapter: str | None = None  # start from this adapter's LoRA weights (same modules, policy, gating, scale)
     shapes_from: str | None = None  # train with this adapter's serving shapes (default: MEASURED_SHAPES)
+    save_dtype: str = "float32"  # the stored LoRA weights' dtype (SAVE_DTYPES)
     checkpoint_every: int = 10
     device: str | None = None
     dtype: str = "float32"
@@ -150,6 +152,8 @@ class FinetuneConfig:
             raise InputError("--full-depth-share trains the full-depth path, which an adapter applied only at "
                              "skipping steps leaves as the original model; use it with --applies-at every-step")
         require_int("seed", self.seed, 0, 2**31 - 1)
+        if self.save_dtype not in SAVE_DTYPES:
+            raise InputError(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         require_int("checkpoint_every", self.checkpoint_every, 1, 1_000_000)
         targets = tuple(float(require_float("target", t, 1.0, 100.0)) for t in self.targets)
         if len(targets) not in (1, 2) or targets[0] > targets[-1]:
@@ -174,7 +178,7 @@ class FinetuneConfig:
 
 def _resume_key(cfg: FinetuneConfig) -> dict:
     """The settings a checkpoint must share with the run that resumes it."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("checkpoint_every", "device")}
+    return {k: v for k, v in asdict(cfg).items() if k not in ("checkpoint_every", "device", "save_dtype")}
 
 
 # -- data -------------------------------------------------------------------------------
@@ -406,35 +410,58 @@ def trainable(peft_model) -> dict[str, torch.nn.Parameter]:
 
 def init_adapter_metadata(cfg: FinetuneConfig, loaded, targets: list[str]) -> dict:
     """What ``cfg.init_adapter``'s metadata says of it, for this run's own: refused unless it was trained for this
-    model with this run's rank, alpha, modules, layer policy and gating, so the run goes on training the same
-    kind of adapter (a warm start)."""
+    model with this run's modules, layer policy, gating and scale (alpha / rank), at a rank no higher than this
+    run's, so the run goes on training the same kind of adapter (a warm start; a higher rank grows it)."""
     directory = Path(cfg.init_adapter).expanduser()
     meta = read_metadata(directory)
     check_compatible(meta, loaded, directory)
     lora = meta.get("lora") or {}
-    theirs = {"rank": lora.get("rank"), "alpha": lora.get("alpha"),
+    rank, alpha = lora.get("rank"), lora.get("alpha")
+    theirs = {"scale (alpha / rank)": alpha / rank if rank and alpha else None,
               "target modules": sorted(lora.get("target_modules") or []),
               "layer policy": (meta.get("schedule") or {}).get("policy", "top"), "applies at": applies_at(meta)}
-    ours = {"rank": cfg.rank, "alpha": cfg.alpha, "target modules": sorted(targets), "layer policy": cfg.skip_policy,
+    ours = {"scale (alpha / rank)": cfg.alpha / cfg.rank, "target modules": sorted(targets),
+            "layer policy": cfg.skip_policy,
             "applies at": (cfg.applies_at, cfg.min_skipped if cfg.applies_at == SKIPPING_STEPS else 1)}
     differ = [f"{k}: {theirs[k]} there, {ours[k]} here" for k in ours if theirs[k] != ours[k]]
+    if not isinstance(rank, int) or rank > cfg.rank:
+        differ.append(f"rank: {rank} there, {cfg.rank} here (a warm start keeps or grows the rank)")
     if differ:
         raise InputError(f"--init-adapter {directory} was trained as another kind of adapter ({'; '.join(differ)}); "
                          "give this run the same settings")
-    return {"dir": str(cfg.init_adapter), "steps": (meta.get("training") or {}).get("steps"),
+    return {"dir": str(cfg.init_adapter), "rank": rank, "steps": (meta.get("training") or {}).get("steps"),
             **{k: meta.get(k) for k in ("date", "command")}}
 
 
 def load_adapter_weights(peft_model, directory: str | Path) -> None:
-    """Set ``peft_model``'s LoRA weights to those saved in ``directory``, every one of them."""
-    from peft import set_peft_model_state_dict
+    """Set ``peft_model``'s LoRA weights to those saved in ``directory``, every one of them.
+
+    Saved at a lower rank ``r``, they fill the first ``r`` rows of each ``lora_A`` and
+    columns of each ``lora_B``; the other columns of ``lora_B`` are zeroed (its other
+    ``lora_A`` rows keep their random initialisation), so at equal scale the grown
+    adapter's delta ``B A`` is the saved one exactly and its new rank starts learning
+    from there.
+    """
+    from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
     state = load_file(str(Path(directory).expanduser() / "adapter_model.safetensors"))
-    loaded_keys = set_peft_model_state_dict(peft_model, state)
-    if loaded_keys.unexpected_keys or len(state) != len(trainable(peft_model)):
+    ours = get_peft_model_state_dict(peft_model)  # the same keys peft saves, as views of the live weights
+    if set(state) != set(ours):
         raise ModelLoadError(f"the weights in {directory} do not match this run's LoRA modules "
-                             f"({len(state)} tensors there, {len(trainable(peft_model))} here)")
+                             f"({len(state)} tensors there, {len(ours)} here)")
+    with torch.no_grad():
+        for key, saved in state.items():
+            live = ours[key]
+            rows, cols = saved.shape
+            grows_cols = "lora_B" in key and cols < live.shape[1]
+            if saved.dim() != 2 or ("lora_A" in key and (rows > live.shape[0] or cols != live.shape[1])) or (
+                    "lora_B" in key and (rows != live.shape[0] or cols > live.shape[1])):
+                raise ModelLoadError(f"the weights in {directory} do not fit this run's LoRA modules "
+                                     f"({key}: {tuple(saved.shape)} there, {tuple(live.shape)} here)")
+            if grows_cols:
+                live[:, cols:].zero_()
+            live[:rows, :cols].copy_(saved)
 
 
 class SkippingGate:
@@ -581,7 +608,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
                 save_checkpoint(ckpt, step + 1, peft_model, optimizer, history, seconds, cfg)
         metadata = describe_run(cfg, loaded, base_fingerprint, targets, history, seconds, data, train_dtype,
                                 shapes, init)
-        save_adapter(peft_model, cfg.out, metadata)
+        save_adapter(peft_model, cfg.out, metadata, cfg.save_dtype)
         log(f"adapter written to {cfg.out} ({adapter_megabytes(cfg.out):.1f} MB) after {seconds / 60:.1f} min")
         return metadata
     finally:
@@ -617,7 +644,7 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
                      "full_depth_share": cfg.full_depth_share,
                      "continuation_tokens": cfg.gen_len, "decode_steps": cfg.schedule_steps},
         "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": 0.0, "target_modules": targets,
-                 "applies_at": cfg.applies_at, "min_skipped": cfg.min_skipped},
+                 "applies_at": cfg.applies_at, "min_skipped": cfg.min_skipped, "saved_dtype": cfg.save_dtype},
         "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed,
                  "continuations": {"count": cfg.sequences, "prompts": "skipkey.prompts.training_prompts: topic "
                                    "templates, code openers and Python help-text passages (pydoc_data); none held out",
@@ -659,7 +686,7 @@ def main(args) -> int:
                          text_prompt_len=args.text_prompt_len, full_depth_share=args.full_depth_share,
                          applies_at=args.applies_at, min_skipped=args.min_skipped,
                          train_dtype=args.train_dtype, seed=args.seed, init_adapter=args.init_adapter,
-                         shapes_from=args.shapes_from,
+                         shapes_from=args.shapes_from, save_dtype=args.save_dtype,
                          checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype)
     if args.resume and args.restart:
         raise InputError("--resume and --restart exclude each other")

@@ -29,6 +29,7 @@ TUNED_SUFFIX = "+skipdecode-lora"
 # merged everywhere (adapters from before the distinction; their full-depth path moves too).
 EVERY_STEP, SKIPPING_STEPS = "every-step", "skipping-steps"
 APPLIES_AT = (EVERY_STEP, SKIPPING_STEPS)
+SAVE_DTYPES = ("float32", "bfloat16")  # how the LoRA weights are stored; serving merges them in its own dtype
 WEIGHTS_RTOL = 1e-3  # casting to bf16 moves the layer-0 checksum by ~3e-5; other weights move it far more
 
 
@@ -52,11 +53,18 @@ def lora_targets(model) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)})
 
 
-def save_adapter(peft_model, out: str | Path, metadata: dict) -> None:
+def save_adapter(peft_model, out: str | Path, metadata: dict, dtype: str = "float32") -> None:
+    """peft's files (the LoRA weights stored in ``dtype``, one of ``SAVE_DTYPES``) and ``metadata``."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     peft_model.peft_config["default"].base_model_name_or_path = metadata["base_model"]
     peft_model.save_pretrained(str(out), save_embedding_layers=False)  # none trained; skips a Hub lookup
+    state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    save_file({k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in state.items()},
+              str(out / PEFT_FILES[1]), metadata={"format": "pt"})  # as peft writes it, in the dtype asked for
     (out / "README.md").unlink(missing_ok=True)  # peft's empty model-card template; the metadata says it all
     (out / METADATA_FILE).write_text(json.dumps(metadata, indent=1) + "\n")
 

@@ -218,6 +218,25 @@ def test_load_tuned_accepts_the_same_model_in_another_dtype(trained):
     assert tuned.dtype == torch.bfloat16 and next(tuned.model.parameters()).dtype == torch.bfloat16
 
 
+def test_an_adapter_saved_in_bfloat16_is_half_the_size_and_serves_in_float32(trained, cache):
+    lm, cfg, _ = trained
+    half = dataclasses.replace(cfg, out=str(cache / "half"), steps=1, lr=1e-12, init_adapter=cfg.out,
+                               save_dtype="bfloat16")
+    meta = train(half, lm, work_dir=cache / "w", log=quiet)
+    assert meta["lora"]["saved_dtype"] == "bfloat16" and "--save-dtype bfloat16" in meta["command"]
+    saved = load_file(str(cache / "half" / "adapter_model.safetensors"))
+    assert {v.dtype for v in saved.values()} == {torch.bfloat16}
+    size = (cache / "half" / "adapter_model.safetensors").stat().st_size
+    assert size < 0.6 * (Path(cfg.out) / "adapter_model.safetensors").stat().st_size
+    full, halved = load_tuned(lm, cfg.out), load_tuned(lm, cache / "half")
+    assert {p.dtype for p in halved.model.parameters()} == {torch.float32}
+    ids = torch.tensor([lm.tokenizer("Once upon a time")["input_ids"]])
+    with torch.no_grad():
+        moved = (full.model(ids).logits - lm.model(ids).logits).abs().max()
+        rounded = (halved.model(ids).logits - full.model(ids).logits).abs().max()
+    assert rounded < 0.05 * moved  # bf16 rounds the delta; it does not lose it
+
+
 def test_load_tuned_refuses_a_missing_or_foreign_directory(trained, tmp_path):
     lm, _, _ = trained
     with pytest.raises(InputError, match="does not exist"):
@@ -290,8 +309,26 @@ def test_a_warm_start_begins_at_the_adapters_weights_and_refuses_another_kind(tr
         train(dataclasses.replace(warm, rank=4), lm, work_dir=cache / "w2", log=quiet)
     with pytest.raises(InputError, match="layer policy: top there, importance here"):
         train(dataclasses.replace(warm, skip_policy="importance"), lm, work_dir=cache / "w3", log=quiet)
+    with pytest.raises(InputError, match=r"scale \(alpha / rank\): 2.0 there, 1.0 here"):
+        train(dataclasses.replace(warm, rank=16), lm, work_dir=cache / "w5", log=quiet)
     with pytest.raises(ModelLoadError, match="trained for model"):
         train(dataclasses.replace(warm, model="tiny-llama"), tiny_model("llama"), work_dir=cache / "w4", log=quiet)
+
+
+def test_a_warm_start_at_a_higher_rank_begins_at_the_same_delta(trained, cache):
+    lm, cfg, _ = trained
+    start = load_file(str(Path(cfg.out) / "adapter_model.safetensors"))
+    grown = dataclasses.replace(cfg, out=str(cache / "grown"), steps=2, lr=1e-12, init_adapter=cfg.out,
+                                rank=2 * cfg.rank, alpha=2 * cfg.alpha)  # the same scale, alpha / rank
+    meta = train(grown, lm, work_dir=cache / "w", log=quiet)
+    end = load_file(str(cache / "grown" / "adapter_model.safetensors"))
+    assert meta["lora"]["rank"] == 2 * cfg.rank and meta["training"]["init_adapter"]["rank"] == cfg.rank
+    for key in (k for k in start if "lora_A" in k):
+        b_key = key.replace("lora_A", "lora_B")
+        a0, b0, a1, b1 = start[key], start[b_key], end[key], end[b_key]
+        assert a1.shape == (2 * a0.shape[0], a0.shape[1]) and b1.shape == (b0.shape[0], 2 * b0.shape[1])
+        assert b1[:, b0.shape[1]:].abs().max() < 1e-9 and a1[a0.shape[0]:].abs().sum() > 0  # new rank: random A, zero B
+        torch.testing.assert_close(b1 @ a1, b0 @ a0, rtol=0, atol=1e-7)
 
 
 def test_shapes_from_trains_with_the_adapters_serving_shapes(trained, cache):
