@@ -77,6 +77,7 @@ from skipkey.lora import (
     check_compatible,
     fingerprint,
     lora_targets,
+    peft_without_deprecation_noise,
     read_metadata,
     save_adapter,
 )
@@ -401,7 +402,8 @@ def add_lora(model, cfg: FinetuneConfig, targets: list[str]):
 
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=targets, bias="none")
     torch.manual_seed(cfg.seed)  # lora_A's initialisation
-    return get_peft_model(model, config)
+    with peft_without_deprecation_noise():
+        return get_peft_model(model, config)
 
 
 def trainable(peft_model) -> dict[str, torch.nn.Parameter]:

@@ -8,9 +8,11 @@ so it never imports the training code.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +33,16 @@ EVERY_STEP, SKIPPING_STEPS = "every-step", "skipping-steps"
 APPLIES_AT = (EVERY_STEP, SKIPPING_STEPS)
 SAVE_DTYPES = ("float32", "bfloat16")  # how the LoRA weights are stored; serving merges them in its own dtype
 WEIGHTS_RTOL = 1e-3  # casting to bf16 moves the layer-0 checksum by ~3e-5; other weights move it far more
+
+
+@contextlib.contextmanager
+def peft_without_deprecation_noise():
+    """peft probes ``model.is_gradient_checkpointing``, which transformers 5 deprecated in favour of
+    ``is_activation_checkpointing``: one FutureWarning per wrap or load that the user can do nothing about.
+    Silence that one warning, by its text, and nothing else."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def fingerprint(model) -> dict:
@@ -201,7 +213,8 @@ def load_tuned(loaded, adapter_dir: str | Path):
     where, min_skipped = applies_at(meta)
     model = _copy_for_merge(loaded.model, meta.get("lora", {}).get("target_modules") or lora_targets(loaded.model))
     try:
-        merged = PeftModel.from_pretrained(model, str(directory), is_trainable=False).merge_and_unload()
+        with peft_without_deprecation_noise():
+            merged = PeftModel.from_pretrained(model, str(directory), is_trainable=False).merge_and_unload()
     except Exception as error:  # peft raises many kinds, with long text
         first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
         raise ModelLoadError(f"Could not apply the adapter in {directory}: {first}") from error
