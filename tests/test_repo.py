@@ -58,3 +58,6 @@ def test_the_committed_adapter_is_small_and_says_how_it_was_made():
     assert meta["lora"]["applies_at"] == "skipping-steps"  # the prompt pass and full depth stay the original
     assert meta["command"].startswith("python -m skipkey finetune --model embedded --out ")
     assert meta["command"] in (ROOT / "README.md").read_text(), "the README quotes the command that made it"
+    # Served with its own shape study's winners, whose command the README quotes as well.
+    assert meta["schedule"]["serving_shapes"]["importance"]
+    assert meta["schedule"]["serving_shapes_from"]["command"] in (ROOT / "README.md").read_text()
