@@ -7,7 +7,7 @@ FROM python:3.11-slim
 # cpu: torch's CPU-only wheels; cuda: the default PyPI build, for GPU hardware.
 ARG TORCH=cpu
 
-# A C++ compiler for SkipKey's fused CPU kernels (skipkey/kernels.py): KV eviction at full speed on CPU.
+# A C++ compiler for SkipKey's fused CPU kernels (skipkey/core/kernels.py): KV eviction at full speed on CPU.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 # Spaces run the container as uid 1000 and send traffic to port 7860.
@@ -31,7 +31,7 @@ RUN if [ "$TORCH" = "cpu" ]; then \
 COPY --chown=user . .
 # Convert the embedded model at build time, as the user that serves it, so the first visitor does not wait.
 # (The kernels are compiled when the app starts, for the CPU it runs on: a Space builds on other hardware.)
-RUN python -c "from skipkey.loading import embedded_model_dir; embedded_model_dir()"
+RUN python -c "from skipkey.core.loading import embedded_model_dir; embedded_model_dir()"
 
 EXPOSE 7860
 CMD ["python", "app.py"]

@@ -4,9 +4,9 @@
 ``SKIPKEY_MODELS="facebook/opt-1.3b,Qwen/Qwen2.5-0.5B"`` offers more models
 (GPU deployments); ``SKIPKEY_DEVICE_MAP=auto`` (with ``SKIPKEY_MAX_MEMORY`` and
 ``SKIPKEY_OFFLOAD_DIR``) has accelerate place models larger than the device.
-The page only wires ``skipkey.app_logic`` (the controls'
+The page only wires ``skipkey.serving.app_logic`` (the controls'
 declaration, model cache, request edge, interleaved comparison) and
-``skipkey.figures`` to components: ``Handlers`` holds what its events call,
+``skipkey.quality.figures`` to components: ``Handlers`` holds what its events call,
 as plain methods, and ``build_demo`` lays the declared controls out.
 """
 
@@ -25,8 +25,10 @@ from typing import Callable, NamedTuple
 
 import gradio as gr
 
-from skipkey import figures, kernels
-from skipkey.app_logic import (
+from skipkey.quality import figures
+
+from skipkey.core import kernels
+from skipkey.serving.app_logic import (
     CONTROLS,
     DEFAULT_NEW_TOKENS,
     DEFAULT_PROMPT,
@@ -45,7 +47,7 @@ from skipkey.app_logic import (
     thin_history,
 )
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv_policies import RECOMMENDED_OPTIONS
+from skipkey.kv.policies import RECOMMENDED_OPTIONS
 
 log = logging.getLogger("skipkey.app")
 

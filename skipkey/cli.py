@@ -14,10 +14,10 @@ from pathlib import Path
 
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv_policies import KV_POLICIES, make_kv_policy, parse_budget, parse_policy_spec, policy_options
-from skipkey.lora import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS
-from skipkey.schedules import SCHEDULE_KINDS
-from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
+from skipkey.kv.policies import KV_POLICIES, make_kv_policy, parse_budget, parse_policy_spec, policy_options
+from skipkey.skipdecode.adapter import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS
+from skipkey.skipdecode.schedules import SCHEDULE_KINDS
+from skipkey.skipdecode.plan import LAYER_POLICIES, make_skipdecode
 
 
 # -- shared options -------------------------------------------------------------
@@ -109,7 +109,7 @@ def adapter_schedule_from(args) -> tuple[str, dict | None]:
     """(layer policy, shape table): ``--skip-policy`` over the ``--adapter``'s; a target under the adapter's
     policy uses the shapes it was trained with (other policies, ``MEASURED_SHAPES``)."""
     if getattr(args, "adapter", None):
-        from skipkey.lora import adapter_schedule, read_metadata
+        from skipkey.skipdecode.adapter import adapter_schedule, read_metadata
 
         policy, shapes = adapter_schedule(read_metadata(args.adapter))
         return args.skip_policy or policy, shapes
@@ -170,17 +170,17 @@ def placement_record(loaded) -> dict | None:
 
 
 def transfer_record(trace) -> dict | None:
-    from skipkey.metrics import transfer
+    from skipkey.quality.metrics import transfer
 
     moved = transfer(trace)
     return moved.as_dict() if moved else None
 
 
 def cmd_generate(args) -> int:
-    from skipkey.engine import Engine
-    from skipkey.metrics import compute, memory, speed
+    from skipkey.core.engine import Engine
+    from skipkey.quality.metrics import compute, memory, speed
     from skipkey.models import load
-    from skipkey.trace import Trace
+    from skipkey.core.trace import Trace
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
     if not prompt.strip():
@@ -225,8 +225,8 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from skipkey.bench import format_table, run_bench, synthetic_prompt
-    from skipkey.engine import Engine
+    from skipkey.quality.bench import format_table, run_bench, synthetic_prompt
+    from skipkey.core.engine import Engine
     from skipkey.models import load
     from skipkey.provenance import command_line, machine_description
 
@@ -276,19 +276,19 @@ def cmd_bench(args) -> int:
 
 
 def cmd_finetune(args) -> int:
-    from skipkey.finetune import main as finetune_main
+    from skipkey.training.finetune import main as finetune_main
 
     return finetune_main(args)
 
 
 def cmd_shapes(args) -> int:
-    from skipkey.shapes import main as shapes_main
+    from skipkey.training.shapes import main as shapes_main
 
     return shapes_main(args)
 
 
 def cmd_eval(args) -> int:
-    from skipkey.evaluate import main as eval_main
+    from skipkey.quality.evaluate import main as eval_main
 
     return eval_main(args)
 

@@ -1,20 +1,20 @@
 """The one way the CLI names a model: "embedded", a Hub id, a local directory, or ``random:SHAPE``.
 
-Plus, optionally, a SkipDecode LoRA adapter merged into a copy (``skipkey.lora``),
+Plus, optionally, a SkipDecode LoRA adapter merged into a copy (``skipkey.skipdecode.adapter``),
 or a device map that places the model across GPUs, the CPU and the disk
-(``skipkey.offload``). The app offers only its allow-list and loads through
-``skipkey.loading`` directly.
+(``skipkey.core.offload``). The app offers only its allow-list and loads through
+``skipkey.core.loading`` directly.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from skipkey.loading import LoadedModel, load_model, place, resolve_device, resolve_dtype
+from skipkey.core.loading import LoadedModel, load_model, place, resolve_device, resolve_dtype
 from skipkey.errors import InputError
-from skipkey.lora import load_tuned, whole_model_needed
-from skipkey.offload import make_placement
-from skipkey.tiny import shaped_model
+from skipkey.skipdecode.adapter import load_tuned, whole_model_needed
+from skipkey.core.offload import make_placement
+from skipkey.core.tiny import shaped_model
 
 RANDOM_PREFIX = "random:"
 
@@ -22,13 +22,13 @@ RANDOM_PREFIX = "random:"
 def load(name: str, device: str | None = None, dtype: str | None = None,
          adapter: str | Path | None = None, *, device_map: str | dict | None = None,
          max_memory: str | dict | None = None, offload_dir: str | Path | None = None) -> LoadedModel:
-    """The model ``name`` on ``device`` in ``dtype`` (defaults: ``skipkey.loading``'s choice).
+    """The model ``name`` on ``device`` in ``dtype`` (defaults: ``skipkey.core.loading``'s choice).
 
-    ``random:SHAPE`` (see ``skipkey.tiny.SHAPES``) has random weights, for speed
+    ``random:SHAPE`` (see ``skipkey.core.tiny.SHAPES``) has random weights, for speed
     benchmarks. ``adapter``: a SkipDecode LoRA adapter (from ``finetune``) merged
     into a copy; refused for a model it was not trained for. ``device_map``,
     ``max_memory``, ``offload_dir``: placed by accelerate instead of ``device``
-    (``skipkey.loading.load_model``).
+    (``skipkey.core.loading.load_model``).
     """
     if adapter is not None and make_placement(device_map, max_memory, offload_dir, device=device) is not None:
         raise InputError(whole_model_needed(name))  # before minutes of loading

@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from skipkey.tiny import tiny_model  # noqa: E402
+from skipkey.core.tiny import tiny_model  # noqa: E402
 
 # Tiny models are all overhead: one thread avoids oversubscription on small CI machines.
 torch.set_num_threads(1)
@@ -51,7 +51,7 @@ def tiny_app_model(tiny_models):
 def tiny_adapter(tiny_app_model, tmp_path_factory):
     """A SkipDecode adapter trained for a few steps on ``tiny_app_model`` (as the committed one is on the
     embedded model), once per session."""
-    from skipkey.finetune import FinetuneConfig, train
+    from skipkey.training.finetune import FinetuneConfig, train
 
     root = tmp_path_factory.mktemp("app-lora")
     with pytest.MonkeyPatch.context() as mp:
@@ -67,7 +67,7 @@ def relabelled_adapter(adapter, directory, policy: str):
     import json
     import shutil
 
-    from skipkey.lora import METADATA_FILE
+    from skipkey.skipdecode.adapter import METADATA_FILE
 
     copy = shutil.copytree(adapter, directory)
     meta = json.loads((copy / METADATA_FILE).read_text())

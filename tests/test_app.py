@@ -14,14 +14,14 @@ import plotly.graph_objects as go
 import pytest
 
 from conftest import PROMPTS, relabelled_adapter
-from skipkey import app_logic
-from skipkey.app_logic import Controls, ModelCache, allowed_models, build_request, compare
+from skipkey.serving import app_logic
+from skipkey.serving.app_logic import Controls, ModelCache, allowed_models, build_request, compare
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
+from skipkey.core.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv_policies import KeyformerPolicy, StreamingPolicy
-from skipkey.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule, ScheduleShape, measured_best_shape
-from skipkey.trace import Trace
+from skipkey.kv.policies import KeyformerPolicy, StreamingPolicy
+from skipkey.skipdecode.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule, ScheduleShape, measured_best_shape
+from skipkey.core.trace import Trace
 
 import app
 
@@ -91,8 +91,8 @@ def test_server_placement_comes_from_the_environment(monkeypatch, tmp_path):
 
 
 def test_the_comparison_runs_on_an_offloaded_model(tmp_path):
-    from skipkey.loading import place
-    from skipkey.tiny import tiny_model
+    from skipkey.core.loading import place
+    from skipkey.core.tiny import tiny_model
 
     lm = place(tiny_model("gemma3", seed=1), "auto", {"cpu": 600_000}, tmp_path)
     handlers = app.Handlers(ModelCache(lambda name: lm, adapters={}), figure_every=2, figure_interval=0,
@@ -445,7 +445,7 @@ def test_a_finished_run_keeps_a_bounded_history(tiny):
 
 # -- the tuned toggle -------------------------------------------------------------------
 def test_tuned_weights_run_on_the_skipkey_side_only(handlers, tiny, tiny_adapter):
-    from skipkey.lora import load_tuned
+    from skipkey.skipdecode.adapter import load_tuned
 
     outputs = run(handlers, max_new_tokens=8, tuned=True, kv_on=False)
     status, full_text, _, skip_text, *_ = outputs[-1]
@@ -507,7 +507,7 @@ def test_the_tuned_copy_is_made_once_and_a_failure_is_retried(tiny, tiny_adapter
 
 def test_which_side_steps_first_is_balanced_whatever_the_redraw_cadence():
     """Interference that lands after a page update (a redraw every k rounds) is shared by both sides."""
-    from skipkey.trace import step_order
+    from skipkey.core.trace import step_order
 
     for cadence in (1, 2, 3, 4, 5, 8):
         firsts = [step_order(r + 1)[0] for r in range(0, 256 * cadence, cadence)]  # the round after each update

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from conftest import PROMPTS, serving
-from skipkey.app_logic import Controls, ModelCache
+from skipkey.serving.app_logic import Controls, ModelCache
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
-from skipkey.trace import Trace
+from skipkey.core.engine import Engine
+from skipkey.core.trace import Trace
 
 
 gradio_client = pytest.importorskip("gradio_client")

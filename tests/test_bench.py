@@ -6,11 +6,11 @@ import statistics
 
 import pytest
 
-from skipkey.bench import run_bench, synthetic_prompt
+from skipkey.quality.bench import run_bench, synthetic_prompt
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
-from skipkey.kv_policies import make_kv_policy
-from skipkey.trace import Trace, lockstep, run_lockstep, step_order
+from skipkey.core.engine import Engine
+from skipkey.kv.policies import make_kv_policy
+from skipkey.core.trace import Trace, lockstep, run_lockstep, step_order
 
 
 def test_lockstep_takes_turns_in_step_order_and_lets_a_finished_stream_drop_out():

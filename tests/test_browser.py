@@ -36,7 +36,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def served(tiny_models):
     import app
-    from skipkey.app_logic import ModelCache
+    from skipkey.serving.app_logic import ModelCache
 
     if SCREENSHOT:
         handlers = app.Handlers()

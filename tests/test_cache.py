@@ -6,10 +6,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import PROMPTS
-from skipkey.cache import EMPTY, LayerCache
+from skipkey.core.cache import EMPTY, LayerCache
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
-from skipkey.kv_policies import Budgets, make_kv_policy
+from skipkey.core.engine import Engine
+from skipkey.kv.policies import Budgets, make_kv_policy
 
 LONG_IDS = [3 + (i * 7919) % 250 for i in range(400)]
 
@@ -62,14 +62,14 @@ def test_a_decode_step_allocates_nothing_the_size_of_a_layers_cache(tiny_models,
 
 def engine_cache_layers(engine, steps):
     """The live cache of a running generation, found through the attention's step state."""
-    import skipkey.attention as attention
+    import skipkey.core.attention as attention
 
     seen = {}
     original = attention.skipkey_attention
 
-    def spy(module, *args, skipkey=None, **kwargs):
-        seen["cache"] = skipkey.cache
-        return original(module, *args, skipkey=skipkey, **kwargs)
+    def spy(module, *args, step_state=None, **kwargs):
+        seen["cache"] = step_state.cache
+        return original(module, *args, step_state=step_state, **kwargs)
 
     from transformers import AttentionInterface
 

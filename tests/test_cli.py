@@ -9,7 +9,7 @@ import pytest
 
 from skipkey.cli import main
 from skipkey.errors import InputError
-from skipkey.tiny import tiny_model
+from skipkey.core.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_module_entry_point(model_dir):
 
 
 def test_document_prompts_are_distinct_long_and_apart_from_the_perplexity_text():
-    from skipkey.prompts import document_prompts, long_text_ids
+    from skipkey.quality.prompts import document_prompts, long_text_ids
 
     tokenizer = tiny_model("gemma3").tokenizer
     prompts = document_prompts(tokenizer, 6, 200)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
-from skipkey.prompts import long_text_ids
-from skipkey.trace import Trace
+from skipkey.core.engine import Engine
+from skipkey.quality.prompts import long_text_ids
+from skipkey.core.trace import Trace
 
 pytestmark = pytest.mark.embedded
 
@@ -24,7 +24,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def embedded():
     from conftest import TEST_DEVICE
-    from skipkey.loading import load_model
+    from skipkey.core.loading import load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -62,10 +62,10 @@ def test_batch_rows_match_solo_on_embedded_model(embedded):
 def test_the_committed_adapter_fits_the_embedded_model_and_lowers_skipping_perplexity(embedded):
     """assets/skipdecode-lora loads onto the embedded model (the app's 'tuned weights') and does what it was
     trained for: the full model's own continuation is far more likely under the tuned skipping model."""
-    from skipkey.app_logic import EMBEDDED_ADAPTER
-    from skipkey.evaluate import EvalConfig, perplexity_and_accuracy
-    from skipkey.lora import adapter_schedule, load_tuned, read_metadata
-    from skipkey.skipdecode import make_skipdecode
+    from skipkey.serving.app_logic import EMBEDDED_ADAPTER
+    from skipkey.quality.evaluate import EvalConfig, perplexity_and_accuracy
+    from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
+    from skipkey.skipdecode.plan import make_skipdecode
 
     tuned = load_tuned(embedded, EMBEDDED_ADAPTER)
     policy, shapes = adapter_schedule(read_metadata(EMBEDDED_ADAPTER))  # served as trained
@@ -108,7 +108,7 @@ def secret_code_prompt(tokenizer) -> str:
 def test_query_aware_keyformer_keeps_the_whole_secret_code_at_half_the_cache(embedded):
     """The paper's Keyformer sums scores over every prompt query and may lose the digits the question needs
     (it answers "5."); the recommended options (the question's queries, pooled) keep all five."""
-    from skipkey.kv_policies import RECOMMENDED_OPTIONS, make_kv_policy
+    from skipkey.kv.policies import RECOMMENDED_OPTIONS, make_kv_policy
 
     ids = embedded.tokenizer(secret_code_prompt(embedded.tokenizer))["input_ids"]
     assert 1000 <= len(ids) <= 1050

@@ -7,10 +7,10 @@ import torch
 
 from conftest import PROMPTS
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings
-from skipkey.engine import Engine
+from skipkey.core.engine import Engine
 from skipkey.errors import InputError
-from skipkey.tiny import FAMILIES
-from skipkey.trace import Trace
+from skipkey.core.tiny import FAMILIES
+from skipkey.core.trace import Trace
 
 
 def hf_greedy(lm, prompt, n):

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from skipkey import evaluate
+from skipkey.quality import evaluate
 from skipkey.errors import InputError
-from skipkey.evaluate import (EvalConfig, accuracy_figure, kv_configs, retrieval, retrieval_rows, retrieval_table,
+from skipkey.quality.evaluate import (EvalConfig, accuracy_figure, kv_configs, retrieval, retrieval_rows, retrieval_table,
                               wilson_interval)
 
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from conftest import PROMPTS
-from skipkey import figures
+from skipkey.quality import figures
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
-from skipkey.kv_policies import make_kv_policy
-from skipkey.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule
-from skipkey.skipdecode import SkipDecode
-from skipkey.trace import Trace
+from skipkey.core.engine import Engine
+from skipkey.kv.policies import make_kv_policy
+from skipkey.skipdecode.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule
+from skipkey.skipdecode.plan import SkipDecode
+from skipkey.core.trace import Trace
 
 
 @pytest.fixture(scope="module")

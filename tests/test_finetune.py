@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 from conftest import relabelled_adapter
 from skipkey.cli import build_parser, main as cli_main
-from skipkey.architectures import get_architecture
+from skipkey.core.architectures import get_architecture
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
-from skipkey.finetune import (
+from skipkey.core.engine import Engine
+from skipkey.training.finetune import (
     FinetuneConfig,
     SkippingGate,
     batch_importance,
@@ -26,13 +26,13 @@ from skipkey.finetune import (
     train,
     training_shapes,
 )
-from skipkey.lora import (METADATA_FILE, SKIPPING_STEPS, fingerprint, load_tuned, peft_without_deprecation_noise,
+from skipkey.skipdecode.adapter import (METADATA_FILE, SKIPPING_STEPS, fingerprint, load_tuned, peft_without_deprecation_noise,
                           record_serving_shapes)
-from skipkey.schedules import ScheduleShape
-from skipkey.skipdecode import make_skipdecode
-from skipkey.teacher_forced import teacher_forced_logits
-from skipkey.prompts import ORDINARY_PROMPTS, training_prompts
-from skipkey.tiny import tiny_model
+from skipkey.skipdecode.schedules import ScheduleShape
+from skipkey.skipdecode.plan import make_skipdecode
+from skipkey.quality.teacher_forced import teacher_forced_logits
+from skipkey.quality.prompts import ORDINARY_PROMPTS, training_prompts
+from skipkey.core.tiny import tiny_model
 
 TINY = dict(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, gen_len=8, sequences=16, targets=(1.5, 2.5),
             checkpoint_every=2)
@@ -63,7 +63,7 @@ def trained(tmp_path_factory):
 
 def test_a_stopped_data_build_resumes_at_its_first_unfinished_chunk_and_gives_the_unstopped_result(tmp_path,
                                                                                                 monkeypatch):
-    import skipkey.finetune as finetune
+    import skipkey.training.finetune as finetune
 
     lm = tiny_model("gemma3")
     cfg = FinetuneConfig(model=lm.name, out=str(tmp_path / "lora"), **{**TINY, "text_sequences": 6,
@@ -280,7 +280,7 @@ def test_checkpoint_and_resume_give_the_same_state(cache):
 
 
 def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default_only(cache):
-    import skipkey.finetune as finetune
+    import skipkey.training.finetune as finetune
 
     cfg = FinetuneConfig(model="tiny-gemma3", out=str(cache / "old"), **{**TINY, "steps": 2})
     train(cfg, tiny_model("gemma3"), work_dir=cache / "w", log=quiet)
@@ -370,9 +370,9 @@ def test_the_importance_policy_drops_each_batchs_least_important_layers_as_the_e
 
 
 def test_an_importance_adapter_trains_records_its_policy_and_the_cli_serves_it_so(cache, monkeypatch):
-    import skipkey.finetune as finetune
+    import skipkey.training.finetune as finetune
     from skipkey.cli import build_parser, skipdecode_from
-    from skipkey.lora import adapter_schedule, read_metadata
+    from skipkey.skipdecode.adapter import adapter_schedule, read_metadata
 
     lm = tiny_model("gemma3")
     cfg = FinetuneConfig(model=lm.name, out=str(cache / "imp"), **{**TINY, "skip_policy": "importance",
@@ -480,8 +480,8 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys, mo
     capsys.readouterr()
     # Resumed, nothing is measured again (no screen line, no confirm line); --record then makes the tuned
     # winners the shapes the adapter is served with, and its trained shapes stay recorded as such.
-    from skipkey.lora import adapter_schedule, read_metadata
-    from skipkey.schedules import shapes_from_json
+    from skipkey.skipdecode.adapter import adapter_schedule, read_metadata
+    from skipkey.skipdecode.schedules import shapes_from_json
     trained = read_metadata(importance)["schedule"]["shapes"]
     assert cli_main([*shapes, "--resume", "--record"]) == 0
     err = capsys.readouterr().err
@@ -495,7 +495,7 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys, mo
 
     # A resumed run with a new target, stopped after its first new config, leaves in its file every row the
     # earlier run measured (screened and confirmed), and the new one.
-    import skipkey.shapes
+    import skipkey.training.shapes
 
     class Stop(Exception):
         pass
@@ -508,13 +508,13 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys, mo
             raise Stop
         return 5.0, 0.5
 
-    monkeypatch.setattr(skipkey.shapes, "perplexity_and_accuracy", measure_once)
+    monkeypatch.setattr(skipkey.training.shapes, "perplexity_and_accuracy", measure_once)
     earlier = json.loads(study.read_text())
     argv = [*shapes[:4], "1.5", "1.25", *shapes[5:], "--resume"]
     args = build_parser().parse_args(argv)
     args.argv = argv
     with pytest.raises(Stop):
-        skipkey.shapes.main(args)
+        skipkey.training.shapes.main(args)
     stopped = json.loads(study.read_text())
     assert not stopped["complete"] and stopped["confirmed"] == earlier["confirmed"]
     assert len(stopped["screen"]) == len(earlier["screen"]) + 1 and all(r in stopped["screen"] for r in earlier["screen"])
@@ -527,8 +527,8 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys, mo
 
 def test_the_committed_adapter_round_trips_its_shapes_and_policy_and_the_cli_uses_them():
     from skipkey.cli import build_parser, skipdecode_from
-    from skipkey.lora import adapter_schedule, read_metadata
-    from skipkey.schedules import measured_best_shape, shapes_from_json, shapes_to_json
+    from skipkey.skipdecode.adapter import adapter_schedule, read_metadata
+    from skipkey.skipdecode.schedules import measured_best_shape, shapes_from_json, shapes_to_json
 
     adapter = str(Path(__file__).resolve().parents[1] / "assets" / "skipdecode-lora")
     meta = read_metadata(adapter)

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from skipkey.kv_policies import KV_POLICIES
-from skipkey.tiny import SHAPES
+from skipkey.kv.policies import KV_POLICIES
+from skipkey.core.tiny import SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "assets" / "results" / "gpu.sh"

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (``skipkey.kernels``) do exactly what the eager code they replace does."""
+"""The fused CPU kernels (``skipkey.core.kernels``) do exactly what the eager code they replace does."""
 
 import os
 import shutil
@@ -9,15 +9,15 @@ import torch
 from hypothesis import given, settings as hyp_settings, strategies as st
 
 from conftest import PROMPTS
-from skipkey import kernels
-import skipkey.attention as attention
-from skipkey.attention import ScoreContribution, StepState, _attend_and_score
-from skipkey.cache import EMPTY, LayerCache
+from skipkey.core import kernels
+import skipkey.core.attention as attention
+from skipkey.core.attention import ScoreContribution, StepState, _attend_and_score
+from skipkey.core.cache import EMPTY, LayerCache
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
-from skipkey.kv_policies import KV_POLICIES, _PROTECTED, make_kv_policy
-from skipkey.noise import NOISE_COLS, noise_table, query_starts
-from skipkey.trace import Trace
+from skipkey.core.engine import Engine
+from skipkey.kv.policies import KV_POLICIES, _PROTECTED, make_kv_policy
+from skipkey.kv.noise import NOISE_COLS, noise_table, query_starts
+from skipkey.core.trace import Trace
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler: the kernels cannot be built, the eager path serves")
@@ -158,7 +158,7 @@ def test_prompt_queries_past_the_noise_row_take_the_general_path_beside_the_fast
     """A query seeing more keys than a noise row holds takes the general path (noise gathered key by key), the
     queries before it the fast one (one contiguous run): with 32-column rows, a 40-token prompt mixes both in
     one block of queries."""
-    import skipkey.noise as noise
+    import skipkey.kv.noise as noise
     cols = 32
     for module in (noise, attention):
         monkeypatch.setattr(module, "NOISE_COLS", cols)
@@ -197,7 +197,7 @@ def test_attend_score_draws_the_noise_gumbel_noise_draws(fused):
     scores = torch.zeros(b, h, slots)
     fused.attend_score(query, 1.0, keys, values, positions, qpos, 0, False, scores, True,
                        noise_table(seed, "cpu").view(-1), starts, NOISE_COLS, 1.0)
-    from skipkey.attention import NoiseIndex
+    from skipkey.core.attention import NoiseIndex
     logits = torch.einsum("bhd,bhsd->bhs", query[:, :, 0], keys)[:, :, None, None, :]
     expected = ScoreContribution(1.0, seed)(logits, NoiseIndex(2, qpos[:, None], positions))[:, :, 0, 0]
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)

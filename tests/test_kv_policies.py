@@ -6,13 +6,13 @@ import torch
 
 from conftest import PROMPTS
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
+from skipkey.core.engine import Engine
 from skipkey.errors import InputError
-from skipkey.kv_policies import KV_POLICIES as POLICIES, KeyformerPolicy, make_kv_policy, parse_budget
-from skipkey.schedules import LinearSchedule
-from skipkey.skipdecode import SkipDecode
-from skipkey.teacher_forced import teacher_forced_logits
-from skipkey.trace import Trace
+from skipkey.kv.policies import KV_POLICIES as POLICIES, KeyformerPolicy, make_kv_policy, parse_budget
+from skipkey.skipdecode.schedules import LinearSchedule
+from skipkey.skipdecode.plan import SkipDecode
+from skipkey.quality.teacher_forced import teacher_forced_logits
+from skipkey.core.trace import Trace
 
 LONG = PROMPTS[2] + " " + PROMPTS[0]
 EVICTING = [name for name in POLICIES if name != "full"]
@@ -165,8 +165,8 @@ def test_bad_policy_parameters_are_refused(kwargs, message):
 
 
 def test_gumbel_noise_is_gumbel_and_keyed_by_position():
-    from skipkey.attention import NoiseIndex
-    from skipkey.noise import gumbel_noise
+    from skipkey.core.attention import NoiseIndex
+    from skipkey.kv.noise import gumbel_noise
 
     where = NoiseIndex(3, torch.arange(200)[None], torch.arange(300)[None, None])
     g = gumbel_noise(7, where, (1, 2, 2, 200, 300))
@@ -178,7 +178,7 @@ def test_gumbel_noise_is_gumbel_and_keyed_by_position():
 
 @pytest.mark.parametrize("name", ["h2o", "keyformer"])
 def test_chunked_prefill_scoring_keeps_the_same_tokens(tiny_models, monkeypatch, name):
-    import skipkey.attention as attention
+    import skipkey.core.attention as attention
 
     lm = tiny_models("gemma3")  # sliding layers skip chunks that only see dropped keys
     settings = GenerationSettings(max_new_tokens=4)
@@ -198,8 +198,8 @@ def test_chunked_prefill_scoring_keeps_the_same_tokens(tiny_models, monkeypatch,
 @pytest.mark.parametrize("window", [None, 24])
 def test_prefill_scores_are_the_same_in_any_chunking(monkeypatch, window):
     """Scoring only each chunk's causal (and window) band equals scoring every key."""
-    import skipkey.attention as attention
-    from skipkey.cache import LayerCache
+    import skipkey.core.attention as attention
+    from skipkey.core.cache import LayerCache
 
     torch.manual_seed(0)
     b, hkv, groups, s, d = 2, 2, 2, 70, 8
@@ -227,7 +227,7 @@ def test_prefill_scores_are_the_same_in_any_chunking(monkeypatch, window):
 def test_gumbel_noise_is_finite_for_every_draw():
     """The extreme 24-bit draws (0 and 2**24 - 1) give finite noise: in float32 the top one used to round to
     u = 1.0, an infinite Gumbel value, a NaN softmax row, and a whole head's scores turned to NaN."""
-    from skipkey.noise import _gumbel_from_bits
+    from skipkey.kv.noise import _gumbel_from_bits
 
     bits = torch.tensor([0, 1, 2**23, 2**24 - 2, 2**24 - 1], dtype=torch.int64)
     noise = _gumbel_from_bits(bits)
@@ -248,8 +248,8 @@ def test_keyformer_scores_stay_finite_on_a_long_prompt_and_every_head_keeps_its_
 
 def test_gumbel_noise_is_the_same_through_every_fast_path():
     """The tabulated per-query draws and the contiguous-key read give exactly the hashed noise."""
-    from skipkey.attention import NoiseIndex
-    from skipkey.noise import gumbel_noise
+    from skipkey.core.attention import NoiseIndex
+    from skipkey.kv.noise import gumbel_noise
 
     qpos = torch.tensor([[5, 6, 7, 8], [0, 1, 2, 3]])
     kpos = torch.stack([torch.arange(-3, 57), torch.arange(-8, 52)])[:, None, :]
@@ -294,7 +294,7 @@ def test_a_recorded_prompt_pass_refuses_other_prompts(tiny_models):
 @pytest.mark.parametrize("spec", ["keyformer", "keyformer:observe=32,pool=7", "h2o:normalize=true",
                                   "keyformer:tau_init=0.5,observe=8"])
 def test_a_policy_spec_formats_back_to_itself(spec):
-    from skipkey.kv_policies import format_policy_spec, parse_policy_spec
+    from skipkey.kv.policies import format_policy_spec, parse_policy_spec
 
     assert format_policy_spec(*parse_policy_spec(spec)) == spec
     assert format_policy_spec(*parse_policy_spec("h2o:normalize=1")) == "h2o:normalize=true"

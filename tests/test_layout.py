@@ -17,17 +17,21 @@ PACKAGE = ROOT / "skipkey"
 # Bottom to top, in the order data flows (the README's module table follows it).
 # A module may import only the modules listed before it.
 LAYERS = (
-    "errors", "__init__", "config", "provenance", "prompts", "offload", "loading", "tiny",
-    "kernels", "noise", "attention", "cache", "architectures", "schedules", "skipdecode", "kv_policies", "engine",
-    "trace", "metrics", "figures", "teacher_forced",
-    "lora", "models", "bench", "evaluate", "shapes", "finetune", "app_logic", "cli", "__main__",
+    "errors", "__init__", "config", "provenance", "quality.prompts", "core.offload", "core.loading", "core.tiny",
+    "core.kernels", "kv.noise", "core.attention", "core.cache", "core.architectures", "skipdecode.schedules",
+    "skipdecode.plan", "kv.policies", "core.engine", "core.trace", "quality.metrics", "quality.figures",
+    "quality.teacher_forced", "skipdecode.adapter", "models", "quality.bench", "quality.evaluate",
+    "training.shapes", "training.finetune", "serving.app_logic", "cli", "__main__",
 )
-SERVING = ("app", "skipkey.app_logic", "skipkey.engine", "skipkey.loading", "skipkey.lora")
-TRAINING_AND_EVALUATION = {"skipkey.finetune", "skipkey.evaluate", "skipkey.cli"}
+# Each subpackage's __init__ sits where its room starts.
+PACKAGES = ("core", "kv", "skipdecode", "quality", "training", "serving")
+SERVING = ("app", "skipkey.serving.app_logic", "skipkey.core.engine", "skipkey.core.loading", "skipkey.skipdecode.adapter")
+TRAINING_AND_EVALUATION = {"skipkey.training.finetune", "skipkey.quality.evaluate", "skipkey.cli"}
 
 
 def module_files() -> dict[str, Path]:
-    files = {f"skipkey.{path.stem}": path for path in PACKAGE.glob("*.py")}
+    files = {"skipkey." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts): path
+             for path in PACKAGE.rglob("*.py")}
     files["app"] = ROOT / "app.py"
     return files
 
@@ -44,7 +48,7 @@ def skipkey_imports(source: str, known: set[str]) -> set[str]:
         else:
             continue
         found |= {name for name in names if name in known}
-        found |= {"skipkey.__init__" for name in names if name == "skipkey"}
+        found |= {f"{name}.__init__" for name in names if f"{name}.__init__" in known or name == "skipkey"}
     return found
 
 
@@ -55,14 +59,16 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_the_parser_sees_function_level_imports():
-    source = "import os\n\ndef f():\n    from skipkey.trace import Trace\n    import skipkey.cache as c\n"
-    assert skipkey_imports(source, {"skipkey.trace", "skipkey.cache"}) == {"skipkey.trace", "skipkey.cache"}
-    assert skipkey_imports("from skipkey import figures, errors\n", {"skipkey.figures"}) == {
-        "skipkey.figures", "skipkey.__init__"}
+    source = "import os\n\ndef f():\n    from skipkey.core.trace import Trace\n    import skipkey.core.cache as c\n"
+    assert skipkey_imports(source, {"skipkey.core.trace", "skipkey.core.cache"}) == {"skipkey.core.trace", "skipkey.core.cache"}
+    assert skipkey_imports("from skipkey.quality import figures\nfrom skipkey import errors\n",
+                           {"skipkey.quality.figures", "skipkey.quality.__init__"}) == {
+        "skipkey.quality.figures", "skipkey.quality.__init__", "skipkey.__init__"}
 
 
 def test_every_module_has_a_place_in_the_layers():
-    assert sorted(LAYERS) == sorted(path.stem for path in PACKAGE.glob("*.py"))
+    modules = {".".join(path.relative_to(PACKAGE).with_suffix("").parts) for path in PACKAGE.rglob("*.py")}
+    assert sorted(LAYERS) == sorted(m for m in modules if not m.endswith(".__init__"))
 
 
 def test_no_import_cycle(graph):
@@ -86,6 +92,8 @@ def test_no_import_cycle(graph):
 
 def test_modules_import_only_downward(graph):
     rank = {f"skipkey.{name}": i for i, name in enumerate(LAYERS)}
+    for package in PACKAGES:  # a package's __init__ ranks with its lowest module
+        rank[f"skipkey.{package}.__init__"] = min(i for name, i in rank.items() if name.startswith(f"skipkey.{package}."))
     upward = [f"{module} imports {imported}" for module, imported_set in graph.items() if module in rank
               for imported in imported_set if rank[imported] >= rank[module]]
     assert not upward, upward
@@ -105,5 +113,29 @@ def test_serving_never_imports_training_or_evaluation(graph):
 def test_the_readme_table_lists_every_module_in_layer_order():
     import re
 
-    listed = re.findall(r"^\| `skipkey/(\w+)\.py` \|", (ROOT / "README.md").read_text(), flags=re.M)
-    assert listed == [name for name in LAYERS if name not in ("__init__", "__main__")]
+    listed = re.findall(r"^\| `skipkey/([\w/]+)\.py` \|", (ROOT / "README.md").read_text(), flags=re.M)
+    assert listed == [name.replace(".", "/") for name in LAYERS if name not in ("__init__", "__main__")]
+
+
+# The rooms above the core that it must not reach into. What the engine needs from a method it gets as an
+# object it is handed (a plan, a KV policy), so these imports are the only ones allowed, and each is a debt.
+ABOVE_CORE = ("skipkey.kv.", "skipkey.skipdecode.", "skipkey.quality.", "skipkey.training.", "skipkey.serving.")
+CORE_REACHES_UP = {
+    ("skipkey.core.attention", "skipkey.kv.noise"),
+    ("skipkey.core.engine", "skipkey.kv.policies"),
+    ("skipkey.core.engine", "skipkey.skipdecode.schedules"),
+}
+
+
+def test_the_core_reaches_no_room_above_it(graph):
+    reaches = {(module, imported) for module, imported_set in graph.items() if module.startswith("skipkey.core.")
+               for imported in imported_set if imported.startswith(ABOVE_CORE)}
+    assert reaches <= CORE_REACHES_UP, sorted(reaches - CORE_REACHES_UP)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_room_says_what_it_owns(package):
+    import importlib
+
+    doc = importlib.import_module(f"skipkey.{package}").__doc__
+    assert doc and len(doc.split()) >= 10, f"skipkey/{package}/__init__.py needs a docstring saying what it owns"

@@ -12,9 +12,9 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-from skipkey import loading  # noqa: E402
+from skipkey.core import loading  # noqa: E402
 from skipkey.errors import InputError, ModelLoadError  # noqa: E402
-from skipkey.loading import (  # noqa: E402
+from skipkey.core.loading import (  # noqa: E402
     EMBEDDED,
     cache_root,
     embedded_model_dir,

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from skipkey.engine import StepEvent
-from skipkey.metrics import compute, speed, step_cost, transfer
-from skipkey.trace import Trace
+from skipkey.core.engine import StepEvent
+from skipkey.quality.metrics import compute, speed, step_cost, transfer
+from skipkey.core.trace import Trace
 
 
 def trace_of(layer_counts, seconds, num_layers=8):

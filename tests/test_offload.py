@@ -14,16 +14,16 @@ import torch
 
 from conftest import PROMPTS, TEST_DEVICE
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
+from skipkey.core.engine import Engine
 from skipkey.errors import InputError
-from skipkey.kv_policies import make_kv_policy
-from skipkey.loading import place
-from skipkey.metrics import transfer
-from skipkey.offload import make_placement, parse_max_memory
-from skipkey.schedules import LinearSchedule
-from skipkey.skipdecode import SkipDecode
-from skipkey.tiny import tiny_model
-from skipkey.trace import Trace
+from skipkey.kv.policies import make_kv_policy
+from skipkey.core.loading import place
+from skipkey.quality.metrics import transfer
+from skipkey.core.offload import make_placement, parse_max_memory
+from skipkey.skipdecode.schedules import LinearSchedule
+from skipkey.skipdecode.plan import SkipDecode
+from skipkey.core.tiny import tiny_model
+from skipkey.core.trace import Trace
 
 ON_GPU = TEST_DEVICE.type == "cuda"
 GPU = TEST_DEVICE.index or 0
@@ -221,7 +221,7 @@ def test_layers_on_two_devices_keep_their_caches_where_they_run(monkeypatch):
 
     from accelerate import dispatch_model
 
-    from skipkey.cache import LayerCache
+    from skipkey.core.cache import LayerCache
 
     lm = tiny_model("gemma3")
     device_map = {"model.embed_tokens": GPU, "model.rotary_emb": GPU, "model.norm": GPU, "lm_head": GPU,
@@ -254,7 +254,7 @@ def test_layers_on_two_devices_keep_their_caches_where_they_run(monkeypatch):
 # -- the embedded model ---------------------------------------------------------------------
 @pytest.mark.embedded
 def test_embedded_model_three_times_the_memory_given_generates_like_generate(tmp_path, monkeypatch):
-    from skipkey.loading import load_model
+    from skipkey.core.loading import load_model
 
     limit = 300 * 2**20
     memory = {GPU: "300MiB", "cpu": "300MiB"} if ON_GPU else {"cpu": "300MiB"}

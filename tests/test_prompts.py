@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 
 from skipkey.errors import InputError
-from skipkey.prompts import RETRIEVAL_FAMILIES, retrieval_tasks, retrieved
-from skipkey.tiny import byte_tokenizer
+from skipkey.quality.prompts import RETRIEVAL_FAMILIES, retrieval_tasks, retrieved
+from skipkey.core.tiny import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

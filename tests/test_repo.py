@@ -41,7 +41,7 @@ def test_no_remote_code_and_no_share_links():
 
 
 def test_the_committed_adapter_is_small_and_says_how_it_was_made():
-    from skipkey.lora import read_metadata
+    from skipkey.skipdecode.adapter import read_metadata
 
     directory = ROOT / "assets" / "skipdecode-lora"
     size = sum(f.stat().st_size for f in directory.iterdir())

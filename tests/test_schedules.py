@@ -1,4 +1,4 @@
-"""Invariants of SkipDecode schedules and layer policies (skipkey/schedules.py)."""
+"""Invariants of SkipDecode schedules and layer policies (skipkey/skipdecode/schedules.py)."""
 
 import json
 import math
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skipkey.errors import InputError
-from skipkey.schedules import (
+from skipkey.skipdecode.schedules import (
     MEASURED_SHAPES,
     PAPER_SHAPE,
     SCHEDULE_KINDS,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from skipkey.errors import InputError
-from skipkey.schedules import MEASURED_SHAPES, PAPER_SHAPE, ScheduleShape
-from skipkey.shapes import (candidates, confirm, frontier_figure, frontier_quality, frontier_rows, shape_grid,
+from skipkey.skipdecode.schedules import MEASURED_SHAPES, PAPER_SHAPE, ScheduleShape
+from skipkey.training.shapes import (candidates, confirm, frontier_figure, frontier_quality, frontier_rows, shape_grid,
                             shortlist, winners)
 
 STUDY = Path(__file__).resolve().parents[1] / "assets" / "results" / "shape_study.json"
@@ -47,7 +47,7 @@ def test_a_resumed_confirm_measures_only_what_is_new_and_keeps_every_earlier_row
     earlier, shortlisted = [row(a, 0.7), row(b, 0.8)], [row(a, 0.6), row(c, 0.6)]
     with pytest.MonkeyPatch.context() as mp:
         measured = []
-        mp.setattr("skipkey.shapes.measure_rows", lambda models, rows, *args: measured.extend(rows) or
+        mp.setattr("skipkey.training.shapes.measure_rows", lambda models, rows, *args: measured.extend(rows) or
                    [{**row, "next_token_accuracy": 0.75} for row in rows])
         rows = confirm({}, shortlisted, [], 8, print, done=earlier)
     assert [r["shape"] for r in measured] == [asdict(c)]  # a was confirmed before: not run again

@@ -5,11 +5,11 @@ import torch
 
 from conftest import PROMPTS
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
-from skipkey.schedules import PAPER_SHAPE, ConstantSchedule, LinearSchedule, PowerLawSchedule, schedule_for_target
-from skipkey.skipdecode import SkipDecode
-from skipkey.teacher_forced import teacher_forced_logits
-from skipkey.trace import Trace
+from skipkey.core.engine import Engine
+from skipkey.skipdecode.schedules import PAPER_SHAPE, ConstantSchedule, LinearSchedule, PowerLawSchedule, schedule_for_target
+from skipkey.skipdecode.plan import SkipDecode
+from skipkey.quality.teacher_forced import teacher_forced_logits
+from skipkey.core.trace import Trace
 
 SCHEDULES = [
     LinearSchedule(b_max=6, b_min=2, horizon=10),

@@ -5,11 +5,11 @@ import torch
 
 from conftest import PROMPTS
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
+from skipkey.core.engine import Engine
 from skipkey.errors import InputError
-from skipkey.schedules import LinearSchedule
-from skipkey.skipdecode import SkipDecode
-from skipkey.teacher_forced import teacher_forced_logits, teacher_forced_logits_batch
+from skipkey.skipdecode.schedules import LinearSchedule
+from skipkey.skipdecode.plan import SkipDecode
+from skipkey.quality.teacher_forced import teacher_forced_logits, teacher_forced_logits_batch
 
 STEPS = 14
 

@@ -3,7 +3,7 @@
 Serves the app on the embedded model, then measures one configuration three ways,
 interleaved, on this machine:
 
-* ``bench``: ``skipkey.bench.run_bench``, the two engines alone (no server, no page);
+* ``bench``: ``skipkey.quality.bench.run_bench``, the two engines alone (no server, no page);
 * ``api``: ``/compare`` through ``gradio_client`` (the server, no browser);
 * ``browser``: the page in Debian's chromium (playwright), redrawing as the text streams.
 
@@ -55,10 +55,10 @@ def main() -> int:
     from gradio_client import Client
     from playwright.sync_api import sync_playwright
 
-    from skipkey.app_logic import Controls, ModelCache, build_request, default_loader
-    from skipkey.bench import run_bench
+    from skipkey.serving.app_logic import Controls, ModelCache, build_request, default_loader
+    from skipkey.quality.bench import run_bench
     from skipkey.config import GenerationSettings
-    from skipkey.engine import Engine
+    from skipkey.core.engine import Engine
     from skipkey.provenance import machine_description
 
     # The configuration the README quotes (the app's defaults until 2026-12-01): importance layers, 18 -> 12 over

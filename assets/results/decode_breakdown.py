@@ -3,11 +3,11 @@ summed over the layers and averaged over decode steps (the first three steps are
 
     .venv/bin/python assets/results/decode_breakdown.py --batch 1 --prompt-tokens 2048 > assets/results/decode_breakdown_b1.txt
 
-Each part is a function of ``skipkey.attention`` / ``skipkey.cache`` / ``skipkey.kv_policies`` / ``skipkey.engine``
+Each part is a function of ``skipkey.core.attention`` / ``skipkey.core.cache`` / ``skipkey.kv.policies`` / ``skipkey.core.engine``
 wrapped with a timer (a few microseconds per call), on the Llama-MHA-350M shape (random weights, bf16), one policy
 after another in one process. Parts nest: "attention" contains "write", "mask", "SDPA" or "decode attention + score",
 and that contains "score contribution", which contains "Gumbel noise" (eager path only: the fused kernel of
-``skipkey.kernels`` does both inside "decode attention + score"); "decode attention alone" is the same kernel without
+``skipkey.core.kernels`` does both inside "decode attention + score"); "decode attention alone" is the same kernel without
 the score (an unscored policy's evicting layers: window, streaming). "eviction" runs after each layer.
 A profile, not a benchmark: the speed ratios are bench's (lockstep); read this for where a step's milliseconds go.
 """
@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-import skipkey.attention as attention  # noqa: E402
-import skipkey.cache as cache  # noqa: E402
-import skipkey.engine as engine_module  # noqa: E402
+import skipkey.core.attention as attention  # noqa: E402
+import skipkey.core.cache as cache  # noqa: E402
+import skipkey.core.engine as engine_module  # noqa: E402
 from skipkey.config import GenerationSettings  # noqa: E402
-from skipkey.kv_policies import make_kv_policy, parse_policy_spec  # noqa: E402
+from skipkey.kv.policies import make_kv_policy, parse_policy_spec  # noqa: E402
 from skipkey.models import load  # noqa: E402
 from skipkey.provenance import machine_description  # noqa: E402
 

@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from skipkey import kernels  # noqa: E402
-from skipkey import attention  # noqa: E402
-from skipkey.attention import NoiseIndex, ScoreContribution  # noqa: E402
-from skipkey.cache import LayerCache  # noqa: E402
-from skipkey.noise import gumbel_noise  # noqa: E402
+from skipkey.core import kernels  # noqa: E402
+from skipkey.core import attention  # noqa: E402
+from skipkey.core.attention import NoiseIndex, ScoreContribution  # noqa: E402
+from skipkey.core.cache import LayerCache  # noqa: E402
+from skipkey.kv.noise import gumbel_noise  # noqa: E402
 from skipkey.provenance import machine_description  # noqa: E402
 
 LAYERS, HEADS, SLOTS, FULL_SLOTS, DIM = 24, 16, 1025, 2049, 64
@@ -66,7 +66,7 @@ def decode(batch: int) -> None:
     def sdpa(i):
         F.scaled_dot_product_attention(query, keys[i], values[i])
 
-    def scoring(i):  # the scoring decode attention's kernels (skipkey.attention._attend_and_score)
+    def scoring(i):  # the scoring decode attention's kernels (skipkey.core.attention._attend_and_score)
         logits = torch.matmul(keys[i], query.transpose(-1, -2)).transpose(-1, -2).float()
         probs = torch.softmax(logits, dim=-1)
         torch.matmul(probs.to(DTYPE), values[i])
@@ -81,7 +81,7 @@ def decode(batch: int) -> None:
     qpos, scores = torch.full((batch,), 2100), torch.zeros(batch, HEADS, SLOTS)
     none, no_start = torch.empty(0), torch.empty(0, dtype=torch.long)
 
-    def fused_scoring(i):  # the same, fused (skipkey.kernels.attend_score, H2O's contribution)
+    def fused_scoring(i):  # the same, fused (skipkey.core.kernels.attend_score, H2O's contribution)
         fused.attend_score(query, 1.0, keys[i], values[i], positions, qpos, 0, True, scores, True, none, no_start,
                            8192, 1.0)
 

@@ -33,15 +33,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import skipkey.attention as attention  # noqa: E402
-from skipkey.bench import synthetic_prompt  # noqa: E402
+import skipkey.core.attention as attention  # noqa: E402
+from skipkey.quality.bench import synthetic_prompt  # noqa: E402
 from skipkey.config import GenerationSettings  # noqa: E402
-from skipkey.engine import Engine  # noqa: E402
-from skipkey.kv_policies import make_kv_policy, parse_policy_spec  # noqa: E402
-from skipkey.metrics import speed, traffic  # noqa: E402
+from skipkey.core.engine import Engine  # noqa: E402
+from skipkey.kv.policies import make_kv_policy, parse_policy_spec  # noqa: E402
+from skipkey.quality.metrics import speed, traffic  # noqa: E402
 from skipkey.models import load  # noqa: E402
 from skipkey.provenance import machine_description  # noqa: E402
-from skipkey.trace import Trace, run_lockstep  # noqa: E402
+from skipkey.core.trace import Trace, run_lockstep  # noqa: E402
 
 REFERENCE = "window:budget=1.0"
 POLICIES = ["window", "streaming", "h2o", "keyformer", "tova", "snapkv", "keyformer:observe=8,pool=7",

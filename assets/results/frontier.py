@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from skipkey.evaluate import markdown_table, save_figure  # noqa: E402
-from skipkey.shapes import frontier_figure, frontier_quality, frontier_rows  # noqa: E402
+from skipkey.quality.evaluate import markdown_table, save_figure  # noqa: E402
+from skipkey.training.shapes import frontier_figure, frontier_quality, frontier_rows  # noqa: E402
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ step() {  # NAME LIMIT_S COMMAND...: run it under what is left of the budget, re
 }
 
 bench="$py -m skipkey bench"
-kv_policies=$($py -c "from skipkey.kv_policies import KV_POLICIES; print(' '.join(n for n in KV_POLICIES if n != 'full'))")
+kv_policies=$($py -c "from skipkey.kv.policies import KV_POLICIES; print(' '.join(n for n in KV_POLICIES if n != 'full'))")
 
 if (( dry )); then
     step tests 300 env SKIPKEY_TEST_DEVICE=cpu $py -m pytest -q -p no:cacheprovider \

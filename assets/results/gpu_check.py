@@ -26,12 +26,12 @@ def app_comparison(device: str, tiny: bool, output: Path) -> None:
     from gradio_client import Client
 
     import app
-    from skipkey.app_logic import Controls, ModelCache
-    from skipkey.loading import load_model
+    from skipkey.serving.app_logic import Controls, ModelCache
+    from skipkey.core.loading import load_model
     from skipkey.provenance import machine_description
 
     if tiny:  # the dry run: a tiny Gemma 3 stands in for the embedded model (6 layers)
-        from skipkey.tiny import tiny_model
+        from skipkey.core.tiny import tiny_model
 
         model = tiny_model("gemma3", seed=1, device=device)
         cache = ModelCache(lambda name: model, adapters={})

@@ -5,7 +5,7 @@ that skip at least N layers (lighter steps run the original weights), on the hel
         --output assets/results/min_skipped.json
 
 A serving-time sweep of one adapter (the one trained with ``--min-skipped`` as its metadata says): the measures
-are ``eval --suite tuned``'s, from ``skipkey.evaluate.quality``.
+are ``eval --suite tuned``'s, from ``skipkey.quality.evaluate.quality``.
 """
 
 import argparse
@@ -18,12 +18,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from skipkey.config import decode_steps  # noqa: E402
-from skipkey.evaluate import QUALITY_COLUMNS, EvalConfig, markdown_table, quality  # noqa: E402
-from skipkey.lora import adapter_schedule, load_tuned, read_metadata  # noqa: E402
+from skipkey.quality.evaluate import QUALITY_COLUMNS, EvalConfig, markdown_table, quality  # noqa: E402
+from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata  # noqa: E402
 from skipkey.models import load  # noqa: E402
-from skipkey.prompts import ORDINARY_PROMPTS  # noqa: E402
+from skipkey.quality.prompts import ORDINARY_PROMPTS  # noqa: E402
 from skipkey.provenance import machine_description  # noqa: E402
-from skipkey.skipdecode import make_skipdecode  # noqa: E402
+from skipkey.skipdecode.plan import make_skipdecode  # noqa: E402
 
 
 def main() -> None:

@@ -17,14 +17,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from skipkey.config import GenerationSettings, decode_steps  # noqa: E402
-from skipkey.engine import Engine  # noqa: E402
-from skipkey.evaluate import EvalConfig, decode_config, markdown_table  # noqa: E402
-from skipkey.lora import adapter_schedule, load_tuned, read_metadata  # noqa: E402
+from skipkey.core.engine import Engine  # noqa: E402
+from skipkey.quality.evaluate import EvalConfig, decode_config, markdown_table  # noqa: E402
+from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata  # noqa: E402
 from skipkey.models import load  # noqa: E402
-from skipkey.prompts import ORDINARY_PROMPTS  # noqa: E402
+from skipkey.quality.prompts import ORDINARY_PROMPTS  # noqa: E402
 from skipkey.provenance import machine_description  # noqa: E402
-from skipkey.schedules import PAPER_SHAPE, measured_best_shape  # noqa: E402
-from skipkey.skipdecode import SkipDecode  # noqa: E402
+from skipkey.skipdecode.schedules import PAPER_SHAPE, measured_best_shape  # noqa: E402
+from skipkey.skipdecode.plan import SkipDecode  # noqa: E402
 
 
 def nll_by_depth(model, skip, prompts, continuations) -> dict[int, tuple[int, float]]:

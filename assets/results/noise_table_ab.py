@@ -20,9 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from skipkey import attention, noise  # noqa: E402
-from skipkey.attention import ScoreContribution  # noqa: E402
-from skipkey.cache import LayerCache  # noqa: E402
+from skipkey.core import attention  # noqa: E402
+
+from skipkey.kv import noise
+from skipkey.core.attention import ScoreContribution  # noqa: E402
+from skipkey.core.cache import LayerCache  # noqa: E402
 from skipkey.provenance import machine_description  # noqa: E402
 
 HEADS, DIM, LAYER, SEED = 16, 64, 3, 0

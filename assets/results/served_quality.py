@@ -12,11 +12,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from skipkey.lora import adapter_schedule, load_tuned, read_metadata  # noqa: E402
+from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata  # noqa: E402
 from skipkey.models import load  # noqa: E402
-from skipkey.prompts import ORDINARY_PROMPTS  # noqa: E402
-from skipkey.schedules import measured_best_shape  # noqa: E402
-from skipkey.shapes import measure_rows  # noqa: E402
+from skipkey.quality.prompts import ORDINARY_PROMPTS  # noqa: E402
+from skipkey.skipdecode.schedules import measured_best_shape  # noqa: E402
+from skipkey.training.shapes import measure_rows  # noqa: E402
 
 
 def main() -> None:

@@ -6,9 +6,9 @@ inputs`` (RoPE tables), ``run_layer`` one decoder layer, and ``head`` (final
 norm + LM head). Everything else in SkipKey speaks in tensors and layer indices.
 
 The decoder layers themselves are the model's own modules: the engine calls them
-with its own cache and its own attention function (``skipkey.attention``), so
+with its own cache and its own attention function (``skipkey.core.attention``), so
 the weights and the numerics are exactly the model's. Under an accelerate device
-map (``skipkey.offload``) their hooks fire as under ``generate``: each part says
+map (``skipkey.core.offload``) their hooks fire as under ``generate``: each part says
 where it computes and how many weight bytes a call moves there.
 """
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from skipkey.attention import ATTENTION_NAME, install_attention
+from skipkey.core.attention import ATTENTION_NAME, install_attention
 from skipkey.errors import InputError
-from skipkey.offload import execution_device, offloaded_bytes
+from skipkey.core.offload import execution_device, offloaded_bytes
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Architecture:
     def run_layer(self, idx: int, hidden: torch.Tensor, layer_kwargs: dict, *, attention_mask=None,
                   state=None) -> torch.Tensor:
         """One decoder layer. With ``state``, SkipKey's attention writes the layer's cache itself."""
-        out = self.layers[idx](hidden, attention_mask=attention_mask, skipkey=state, **layer_kwargs)
+        out = self.layers[idx](hidden, attention_mask=attention_mask, step_state=state, **layer_kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     # -- placement ------------------------------------------------------------

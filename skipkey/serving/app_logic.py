@@ -29,22 +29,22 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Iterator, Mapping, Sequence
 
-from skipkey.architectures import get_architecture
+from skipkey.core.architectures import get_architecture
 from skipkey.config import GenerationSettings, decode_steps
-from skipkey.engine import Engine
+from skipkey.core.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv_policies import KV_POLICIES, KVPolicy, make_kv_policy, policy_options
-from skipkey.loading import EMBEDDED, LoadedModel
-from skipkey.lora import adapter_schedule, load_tuned, read_metadata
-from skipkey.metrics import (Compute, Speed, Transfer, agreement, compute, kv_share, memory, rouge_l, speed, traffic,
+from skipkey.kv.policies import KV_POLICIES, KVPolicy, make_kv_policy, policy_options
+from skipkey.core.loading import EMBEDDED, LoadedModel
+from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
+from skipkey.quality.metrics import (Compute, Speed, Transfer, agreement, compute, kv_share, memory, rouge_l, speed, traffic,
                              transfer)
-from skipkey.offload import Placement, make_placement
-from skipkey.schedules import SCHEDULE_KINDS
-from skipkey.skipdecode import LAYER_POLICIES, SkipDecode, make_skipdecode
-from skipkey.trace import Trace, lockstep
+from skipkey.core.offload import Placement, make_placement
+from skipkey.skipdecode.schedules import SCHEDULE_KINDS
+from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecode, make_skipdecode
+from skipkey.core.trace import Trace, lockstep
 
 MODELS_ENV = "SKIPKEY_MODELS"
-# A model larger than the server's device: placed by accelerate (see skipkey.offload.make_placement).
+# A model larger than the server's device: placed by accelerate (see skipkey.core.offload.make_placement).
 DEVICE_MAP_ENV, MAX_MEMORY_ENV, OFFLOAD_DIR_ENV = "SKIPKEY_DEVICE_MAP", "SKIPKEY_MAX_MEMORY", "SKIPKEY_OFFLOAD_DIR"
 DECODING = ("greedy", "sample")
 SET_BY = ("layers", "target speedup")
@@ -58,7 +58,7 @@ MAX_NEW_TOKENS_UI = 512
 Loader = Callable[[str], LoadedModel]
 Tuner = Callable[[LoadedModel, Path], LoadedModel]
 # The SkipDecode LoRA adapter committed for the embedded model (python -m skipkey finetune).
-EMBEDDED_ADAPTER = Path(__file__).resolve().parent.parent / "assets" / "skipdecode-lora"
+EMBEDDED_ADAPTER = Path(__file__).resolve().parents[2] / "assets" / "skipdecode-lora"
 
 
 def allowed_models(env: str | None = None) -> tuple[str, ...]:
@@ -95,7 +95,7 @@ def default_adapters() -> dict[str, Path]:
 
 
 def default_loader(name: str) -> LoadedModel:
-    from skipkey.loading import load_model
+    from skipkey.core.loading import load_model
 
     return load_model(name, progress=True, **placement_options())
 
@@ -454,11 +454,11 @@ def compare(loaded: LoadedModel, request: ComparisonRequest, stop: threading.Eve
     if request.tuned and tuned is None:
         raise InputError("this request asks for the tuned weights: pass the tuned model")
     full = Engine(loaded)
-    skipkey = Engine(tuned if request.tuned else loaded, skip=request.skip, kv=request.kv)
-    traces = (Trace.for_engine(full, FULL_LABEL), Trace.for_engine(skipkey, SKIPKEY_LABEL))
+    accelerated = Engine(tuned if request.tuned else loaded, skip=request.skip, kv=request.kv)
+    traces = (Trace.for_engine(full, FULL_LABEL), Trace.for_engine(accelerated, SKIPKEY_LABEL))
     # Only SkipKey's kept positions are drawn; the full model's would cost memory for nothing.
     streams = [full.generate([request.prompt], request.settings, stop=stop, record=False),
-               skipkey.generate([request.prompt], request.settings, stop=stop, record=True)]
+               accelerated.generate([request.prompt], request.settings, stop=stop, record=True)]
     try:
         for _ in lockstep(streams, traces):
             yield traces
@@ -548,10 +548,10 @@ def side_metrics(trace: Trace, reference: Trace | None = None) -> SideMetrics:
                        traffic_ratio=theirs.total / ours.total if ours and theirs else None)
 
 
-def agreement_summary(full: Trace, skipkey: Trace, tokenizer=None, final: bool = False) -> str:
+def agreement_summary(full: Trace, accelerated: Trace, tokenizer=None, final: bool = False) -> str:
     """Token agreement and the first divergence (over the tokens both sides have while streaming);
     ROUGE-L of the texts once both are done."""
-    reference, candidate = full.tokens(), skipkey.tokens()
+    reference, candidate = full.tokens(), accelerated.tokens()
     if not final:
         shared = min(len(reference), len(candidate))
         reference, candidate = reference[:shared], candidate[:shared]
@@ -565,5 +565,5 @@ def agreement_summary(full: Trace, skipkey: Trace, tokenizer=None, final: bool =
         if tokenizer is not None and i < min(len(reference), len(candidate)):
             text += f" ({tokenizer.decode([reference[i]])!r} vs {tokenizer.decode([candidate[i]])!r})"
     if final:
-        text += f" · ROUGE-L **{rouge_l(full.text(), skipkey.text()):.2f}**"
+        text += f" · ROUGE-L **{rouge_l(full.text(), accelerated.text()):.2f}**"
     return text

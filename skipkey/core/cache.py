@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from skipkey import kernels
+from skipkey.core import kernels
 
 EMPTY = -1
 _NONE = torch.empty(0)  # "no scores" for the fused kernel
@@ -279,7 +279,7 @@ class LayerCache:
 
 
 class KVCache:
-    """Per-layer caches, written by SkipKey's attention function (``skipkey.attention``)."""
+    """Per-layer caches, written by SkipKey's attention function (``skipkey.core.attention``)."""
 
     def __init__(self, windows: list[int | None]):
         self.layers = [LayerCache(w) for w in windows]

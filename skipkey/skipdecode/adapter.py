@@ -2,7 +2,7 @@
 
 An adapter directory holds peft's files plus ``skipkey_adapter.json`` (base
 model and its fingerprint, schedule range, data, steps, losses, command).
-``skipkey.finetune`` writes them; serving only reads them, through this module,
+``skipkey.training.finetune`` writes them; serving only reads them, through this module,
 so it never imports the training code.
 """
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from skipkey.architectures import cached_architecture, get_architecture
+from skipkey.core.architectures import cached_architecture, get_architecture
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.loading import LoadedModel
-from skipkey.schedules import ScheduleShape, shapes_from_json, shapes_to_json
+from skipkey.core.loading import LoadedModel
+from skipkey.skipdecode.schedules import ScheduleShape, shapes_from_json, shapes_to_json
 
 ADAPTER_FORMAT = "skipkey-skipdecode-lora/1"
 METADATA_FILE = "skipkey_adapter.json"

@@ -1,6 +1,6 @@
 """A recorded run: the engine's events plus what is needed to interpret them.
 
-Figures (``skipkey.figures``) and metrics (``skipkey.metrics``) are pure
+Figures (``skipkey.quality.figures``) and metrics (``skipkey.quality.metrics``) are pure
 functions of a ``Trace``; nothing downstream reaches into the engine.
 """
 
@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from skipkey.engine import Engine, StepEvent
+from skipkey.core.engine import Engine, StepEvent
 
 
 @dataclass

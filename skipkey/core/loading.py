@@ -13,7 +13,7 @@ match, and they do to the bit); bfloat16 would round them once more to save abou
 0.5 GB of disk (1.07 GB -> 0.54 GB). ``load_model`` casts to the requested dtype.
 
 A model that does not fit one device is loaded with a device map: transformers
-and accelerate place it (``skipkey.offload``), across GPUs, the CPU and the disk.
+and accelerate place it (``skipkey.core.offload``), across GPUs, the CPU and the disk.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.offload import Placement, dispatch, execution_device, make_placement, offload_folder, remove_with
+from skipkey.core.offload import Placement, dispatch, execution_device, make_placement, offload_folder, remove_with
 
 EMBEDDED = "embedded"
 
@@ -86,7 +86,7 @@ class LoadedModel:
     dtype: torch.dtype
     placement: Placement | None = None  # how accelerate placed it; None: whole on ``device``
     # The weights that run the prompt pass and every step that skips fewer than ``min_skipped`` layers, where
-    # they differ from ``model``'s: a skip-only SkipDecode adapter (``skipkey.lora``) is merged into ``model``
+    # they differ from ``model``'s: a skip-only SkipDecode adapter (``skipkey.skipdecode.adapter``) is merged into ``model``
     # and applies only at steps that skip at least ``min_skipped`` layers, so the full-depth path (and light
     # skipping) stays the original model exactly.
     full_depth: transformers.PreTrainedModel | None = None
@@ -221,7 +221,7 @@ def load_model(
     With ``device_map`` ("auto" or module -> device) transformers and accelerate
     place the model instead of ``model.to(device)``: across GPUs, the CPU and the
     disk, within ``max_memory`` per device, offloaded weights in ``offload_dir``
-    where they must be written (see ``skipkey.offload.make_placement``).
+    where they must be written (see ``skipkey.core.offload.make_placement``).
     """
     placement = make_placement(device_map, max_memory, offload_dir, device=device)
     resolved_device = placement.main_device() if placement is not None else resolve_device(device)

@@ -10,7 +10,7 @@ keys, call ``KVCache.update`` and then this function. Here we
   logits a second time for the score only, in query chunks, so the output keeps
   the fast fused kernel and prefill memory stays bounded. A decode step computes
   its logits once, for the output and the score: in one fused C++ call on CPU
-  (``skipkey.kernels``), else as matmul-softmax-matmul. An evicting layer of a
+  (``skipkey.core.kernels``), else as matmul-softmax-matmul. An evicting layer of a
   policy that does not score (window, streaming) takes the same call without the
   score on CPU: its slots are out of order, so SDPA would need a mask.
 
@@ -26,8 +26,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from skipkey import kernels
-from skipkey.noise import NOISE_COLS, gumbel_noise, noise_table, query_starts
+from skipkey.core import kernels
+from skipkey.kv.noise import NOISE_COLS, gumbel_noise, noise_table, query_starts
 
 ATTENTION_NAME = "skipkey"
 SCORE_CHUNK = 256  # prompt queries scored at once; bounds prefill memory on long prompts
@@ -64,7 +64,7 @@ class ScoreContribution:
 class StepState:
     """What one forward step tells the attention function."""
 
-    cache: object  # skipkey.cache.KVCache
+    cache: object  # skipkey.core.cache.KVCache
     query_positions: torch.Tensor  # [B, q], EMPTY (-1) for padding
     dense: bool = True  # no padding among the queries
     contribution: ScoreContribution | None = None  # set when the KV policy scores this step
@@ -263,7 +263,7 @@ def _attend_and_score(layer, layer_idx: int, query, key, value, scaling: float, 
 
 def _attend_and_score_fused(fused, layer, layer_idx: int, query, key, value, scaling: float, positions,
                             state: StepState) -> torch.Tensor:
-    """``_attend_and_score`` in one C++ call (``skipkey.kernels``): the keys and values are read once,
+    """``_attend_and_score`` in one C++ call (``skipkey.core.kernels``): the keys and values are read once,
     the scores updated in place. The scaled query, logits and output accumulate in float32."""
     b, hq = query.shape[:2]
     hkv = key.shape[1]
@@ -291,29 +291,29 @@ def _attend_fused(fused, layer, query, key, value, scaling: float, positions, st
 
 
 def skipkey_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                      scaling: float | None = None, skipkey: StepState | None = None, **kwargs):
+                      scaling: float | None = None, step_state: StepState | None = None, **kwargs):
     kwargs.pop("sliding_window", None)
-    if skipkey is None:
+    if step_state is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    layer = skipkey.cache.layers[module.layer_idx]
+    layer = step_state.cache.layers[module.layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if skipkey.capture is not None:
-        skipkey.capture[module.layer_idx] = (query, key, value, scale)
-    key, value = layer.write(key, value, skipkey.query_positions, skipkey.dense, skipkey.start_score)
+    if step_state.capture is not None:
+        step_state.capture[module.layer_idx] = (query, key, value, scale)
+    key, value = layer.write(key, value, step_state.query_positions, step_state.dense, step_state.start_score)
     positions = layer.visible_positions()
-    scoring = skipkey.contribution is not None and layer.scored
+    scoring = step_state.contribution is not None and layer.scored
     if scoring and query.shape[2] == 1:
-        return _attend_and_score(layer, module.layer_idx, query, key, value, scale, positions, skipkey), None
+        return _attend_and_score(layer, module.layer_idx, query, key, value, scale, positions, step_state), None
     fused = kernels.for_tensors(key, value) if layer.reuse and query.shape[2] == 1 else None
     if fused is not None:  # an evicting layer that needs no scores (window, streaming): the output alone
-        return _attend_fused(fused, layer, query, key, value, scale, positions, skipkey), None
-    mask = _mask_for_output(layer, positions, skipkey.query_positions)
+        return _attend_fused(fused, layer, query, key, value, scale, positions, step_state), None
+    mask = _mask_for_output(layer, positions, step_state.query_positions)
     out, _ = sdpa_attention_forward(module, query, key, value, _expand_heads(mask, query.shape[1]), dropout=0.0,
                                     scaling=scaling, **kwargs)
     if scoring:
-        accumulate_scores(layer, module.layer_idx, query, key, scale, skipkey.query_positions,
-                          skipkey.contribution, skipkey.observe, skipkey.position_limit)
+        accumulate_scores(layer, module.layer_idx, query, key, scale, step_state.query_positions,
+                          step_state.contribution, step_state.observe, step_state.position_limit)
     return out, None
 
 

@@ -16,8 +16,8 @@ from typing import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from skipkey.schedules import nominal_speedup
-from skipkey.trace import Trace
+from skipkey.skipdecode.schedules import nominal_speedup
+from skipkey.core.trace import Trace
 
 RAN, SKIPPED = "#2563eb", "#e5e7eb"
 WINDOW_TOKENS = 64  # tokens in view when a long output opens; the range slider pans the rest

@@ -5,7 +5,7 @@ schedule in the forward pass, one LM loss at the top and no exit heads: off the
 shelf, the upper layers never saw the hidden states of the lower ones they now
 follow. To fit a 2-core CPU and a committable file, only LoRA adapters (Hu et
 al. 2021) on every decoder layer's attention and MLP projections train here;
-the base weights stay frozen. ``skipkey.lora.load_tuned`` merges them into a
+the base weights stay frozen. ``skipkey.skipdecode.adapter.load_tuned`` merges them into a
 copy of the weights, so a tuned model decodes exactly as fast as the untuned one.
 
 By default the adapter is skip-only (``applies_at`` "skipping-steps"): its delta
@@ -16,9 +16,9 @@ whole capacity goes to the steps that need it.
 
 The steps, in order (``train`` runs them):
 
-1. ``skipkey.prompts.training_prompts``: seeded, varied prompts (topics in
+1. ``skipkey.quality.prompts.training_prompts``: seeded, varied prompts (topics in
    templates, code openers, passages of Python's own help text), and
-   ``skipkey.prompts.training_text``: windows of Python's help topics and
+   ``skipkey.quality.prompts.training_text``: windows of Python's help topics and
    standard-library source. None of it is ``ORDINARY_PROMPTS``, which stay held
    out for the evaluation.
 2. ``build_dataset``: the full model's greedy continuations of the prompts (the
@@ -39,7 +39,7 @@ The steps, in order (``train`` runs them):
    dtype than the teacher data (bf16: several times faster matrix products on
    CPUs with AMX). Batches and schedules are functions of (seed, step), so
    resuming gives the same run as not stopping.
-4. ``skipkey.lora.save_adapter``: peft's adapter files plus ``skipkey_adapter.json``
+4. ``skipkey.skipdecode.adapter.save_adapter``: peft's adapter files plus ``skipkey_adapter.json``
    (base model and its fingerprint, schedule range, data, steps, losses, command).
 """
 
@@ -61,12 +61,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from skipkey.architectures import get_architecture
+from skipkey.core.architectures import get_architecture
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps, require_float, require_int
-from skipkey.engine import Engine
+from skipkey.core.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.loading import cache_root, load_model, resolve_dtype
-from skipkey.lora import (
+from skipkey.core.loading import cache_root, load_model, resolve_dtype
+from skipkey.skipdecode.adapter import (
     ADAPTER_FORMAT,
     APPLIES_AT,
     SAVE_DTYPES,
@@ -81,11 +81,11 @@ from skipkey.lora import (
     read_metadata,
     save_adapter,
 )
-from skipkey.prompts import TRAINING_PROMPTS_VERSION, TRAINING_TEXT_VERSION, training_prompts, training_text
+from skipkey.quality.prompts import TRAINING_PROMPTS_VERSION, TRAINING_TEXT_VERSION, training_prompts, training_text
 from skipkey.provenance import command_line
-from skipkey.schedules import MEASURED_SHAPES, shapes_to_json
-from skipkey.skipdecode import LAYER_POLICIES, make_skipdecode
-from skipkey.teacher_forced import teacher_forced_logits_batch
+from skipkey.skipdecode.schedules import MEASURED_SHAPES, shapes_to_json
+from skipkey.skipdecode.plan import LAYER_POLICIES, make_skipdecode
+from skipkey.quality.teacher_forced import teacher_forced_logits_batch
 
 CHECKPOINT_FILE = "checkpoint.pt"
 TEACHER_TOP_K = 64  # teacher log-probs kept per position: almost all the mass, 64 x 8 bytes each
@@ -636,11 +636,11 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
         "method": "SkipDecode (Del Corro et al. 2023, arXiv 2307.02628) fine-tuning with LoRA adapters; "
                   + ("the paper's top-layer policy in the forward pass" if cfg.skip_policy == "top" else
                      "the importance policy in the forward pass: each batch's layers ranked by the change they "
-                     "make on its prompts (skipkey.schedules.layer_importance), as the engine ranks a batch's"),
+                     "make on its prompts (skipkey.skipdecode.schedules.layer_importance), as the engine ranks a batch's"),
         "schedule": {"policy": cfg.skip_policy,
                      "shapes": shapes_to_json(shapes),
                      **({"shapes_from": cfg.shapes_from} if cfg.shapes_from else {}),
-                     "rule": "skipkey.schedules.ScheduleShape.schedule: the nearest target's shape",
+                     "rule": "skipkey.skipdecode.schedules.ScheduleShape.schedule: the nearest target's shape",
                      "targets": list(cfg.targets),
                      "draw": "fixed" if len(cfg.targets) == 1 else "uniform per batch",
                      "full_depth_share": cfg.full_depth_share,
@@ -648,11 +648,11 @@ def describe_run(cfg: FinetuneConfig, loaded, base_fingerprint: dict, targets: l
         "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": 0.0, "target_modules": targets,
                  "applies_at": cfg.applies_at, "min_skipped": cfg.min_skipped, "saved_dtype": cfg.save_dtype},
         "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed,
-                 "continuations": {"count": cfg.sequences, "prompts": "skipkey.prompts.training_prompts: topic "
+                 "continuations": {"count": cfg.sequences, "prompts": "skipkey.quality.prompts.training_prompts: topic "
                                    "templates, code openers and Python help-text passages (pydoc_data); none held out",
                                    "text": f"the full model's greedy {cfg.gen_len} tokens (the engine, EOS ignored)"},
                  "text_windows": {"count": cfg.text_sequences, "prompt_tokens": cfg.text_prompt_len,
-                                  "text": "skipkey.prompts.training_text: Python's help topics and standard-library "
+                                  "text": "skipkey.quality.prompts.training_text: Python's help topics and standard-library "
                                           "source, random windows"},
                  "teacher": f"the full model ({str(loaded.dtype).replace('torch.', '')}): top-{TEACHER_TOP_K} "
                             "log-probs at each continuation position",

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from skipkey.schedules import compute_ratio, nominal_speedup
-from skipkey.trace import Trace
+from skipkey.skipdecode.schedules import compute_ratio, nominal_speedup
+from skipkey.core.trace import Trace
 
 
 def percentile(values, q: float) -> float:

@@ -1,16 +1,16 @@
 """The decode loop: ``prefill``, ``decode_one_token``, ``generate``.
 
 The engine calls the model's decoder layers itself, with a KV cache it owns
-(``skipkey.cache``), explicit positions and per-layer masks. Two optional,
+(``skipkey.core.cache``), explicit positions and per-layer masks. Two optional,
 independent methods plug in:
 
 * a SkipDecode plan decides which layers step ``t`` runs (``E(t)``, nested);
 * a KV policy decides which cached tokens each running layer keeps.
 
-``generate`` yields one ``StepEvent`` per produced token; ``skipkey.trace``
+``generate`` yields one ``StepEvent`` per produced token; ``skipkey.core.trace``
 collects them, and figures and metrics are pure functions of the trace.
 
-Under an accelerate device map (``skipkey.offload``) each layer runs on its own
+Under an accelerate device map (``skipkey.core.offload``) each layer runs on its own
 device: the hidden states go there before the layer, and its cache, positions,
 masks and scores live there. One device is the usual case and costs nothing extra.
 """
@@ -32,13 +32,13 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from skipkey.architectures import get_architecture
-from skipkey.attention import StepState, score_prompt
-from skipkey.cache import EMPTY, KVCache
+from skipkey.core.architectures import get_architecture
+from skipkey.core.attention import StepState, score_prompt
+from skipkey.core.cache import EMPTY, KVCache
 from skipkey.config import GenerationSettings, validate_prompt_ids
 from skipkey.errors import InputError
-from skipkey.kv_policies import Budgets
-from skipkey.schedules import layer_importance
+from skipkey.kv.policies import Budgets
+from skipkey.skipdecode.schedules import layer_importance
 
 
 @dataclass(frozen=True)

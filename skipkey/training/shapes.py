@@ -10,7 +10,7 @@ horizon as by a constant 9. The shape decides the quality, so it is measured:
    continuations of the first held-out prompts: next-token accuracy and perplexity
    (one cached decode each). Shapes that give the same budgets are run once.
 2. *confirm*: the best few per (model, policy, target) on every held-out prompt with
-   all four measures (``skipkey.evaluate.quality``: next-token accuracy, perplexity,
+   all four measures (``skipkey.quality.evaluate.quality``: next-token accuracy, perplexity,
    ROUGE-L, first divergence).
 3. ``winners``: per policy and target, among the confirmed shapes at least as good as the
    paper's on three of the four measures, the best next-token accuracy (then ROUGE-L).
@@ -30,14 +30,14 @@ from pathlib import Path
 
 from skipkey.config import GenerationSettings, decode_steps
 from skipkey.errors import InputError
-from skipkey.evaluate import (EvalConfig, decode_config, markdown_table, perplexity_and_accuracy, quality,
+from skipkey.quality.evaluate import (EvalConfig, decode_config, markdown_table, perplexity_and_accuracy, quality,
                               write_json)
-from skipkey.lora import adapter_schedule, load_tuned, read_metadata, record_serving_shapes, trained_schedule
+from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata, record_serving_shapes, trained_schedule
 from skipkey.models import load
-from skipkey.prompts import ORDINARY_PROMPTS
+from skipkey.quality.prompts import ORDINARY_PROMPTS
 from skipkey.provenance import command_line, machine_description
-from skipkey.schedules import PAPER_SHAPE, ScheduleShape, measured_best_shape
-from skipkey.skipdecode import LAYER_POLICIES, SkipDecode
+from skipkey.skipdecode.schedules import PAPER_SHAPE, ScheduleShape, measured_best_shape
+from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecode
 
 TOPS = (1.0, 0.85, 0.72, 0.6)  # b_max as a share of L: the paper's L down to about 0.6 L
 FLOORS = (0.0, 0.5, 0.75, 0.9)  # b_min as a share of the constant depth L / target (0: as low as reaches)

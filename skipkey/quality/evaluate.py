@@ -10,7 +10,7 @@
   accuracy per policy, budget and length with 95% Wilson intervals, against the
   full model's. Each task's prompt runs once and every config decodes from it.
 
-The prompts, tasks and long text come from ``skipkey.prompts``.
+The prompts, tasks and long text come from ``skipkey.quality.prompts``.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from skipkey.config import GenerationSettings, decode_steps
-from skipkey.engine import Engine
+from skipkey.core.engine import Engine
 from skipkey.errors import InputError
-from skipkey.kv_policies import format_policy_spec, make_kv_policy, parse_policy_spec
-from skipkey.lora import adapter_schedule, load_tuned, read_metadata
-from skipkey.metrics import agreement, rouge_l
+from skipkey.kv.policies import format_policy_spec, make_kv_policy, parse_policy_spec
+from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
+from skipkey.quality.metrics import agreement, rouge_l
 from skipkey.models import load
-from skipkey.prompts import (ORDINARY_PROMPTS, RETRIEVAL_FAMILIES, RETRIEVAL_NEW_TOKENS, document_prompts,
+from skipkey.quality.prompts import (ORDINARY_PROMPTS, RETRIEVAL_FAMILIES, RETRIEVAL_NEW_TOKENS, document_prompts,
                              long_text_ids, retrieval_tasks, retrieved)
 from skipkey.provenance import command_line, machine_description
-from skipkey.skipdecode import make_skipdecode
-from skipkey.trace import Trace
+from skipkey.skipdecode.plan import make_skipdecode
+from skipkey.core.trace import Trace
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from skipkey.attention import allowed_keys
+from skipkey.core.attention import allowed_keys
 from skipkey.errors import InputError
 
 

@@ -18,10 +18,10 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from skipkey.config import GenerationSettings
-from skipkey.engine import Engine
-from skipkey.metrics import (Compute, Speed, StepCost, Traffic, Transfer, compute, memory, speed, step_cost, traffic,
+from skipkey.core.engine import Engine
+from skipkey.quality.metrics import (Compute, Speed, StepCost, Traffic, Transfer, compute, memory, speed, step_cost, traffic,
                              transfer)
-from skipkey.trace import Trace, run_lockstep
+from skipkey.core.trace import Trace, run_lockstep
 
 FILLER = ("The committee met on a grey morning to review the harbour's accounts. Ships had come and gone, "
           "cargo was weighed, and the clerks wrote every figure twice. ")

@@ -78,7 +78,7 @@ def tiny_model(family: str = "llama", *, seed: int = 0, dtype: torch.dtype = tor
 
     The weights are drawn on the CPU whatever ``device``, so they are the same everywhere.
     """
-    from skipkey.loading import LoadedModel
+    from skipkey.core.loading import LoadedModel
 
     torch.manual_seed(seed)
     config = tiny_config(family, **config_kwargs)
@@ -122,7 +122,7 @@ SHAPES = {
 def shaped_model(shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
     """A ``LoadedModel`` with random weights in the shape of ``shape`` (see ``SHAPES``)."""
     from skipkey.errors import InputError
-    from skipkey.loading import LoadedModel
+    from skipkey.core.loading import LoadedModel
 
     if shape not in SHAPES:
         raise InputError(f"unknown random model shape {shape!r}; choose one of {', '.join(SHAPES)}")

@@ -10,8 +10,8 @@ contribution from one read of the keys and values), ``write_slot``,
 where the CPU has them, then mask, noise, softmax and the sum over queries, without
 the logits leaving the cache).
 
-They are an optimisation only. The eager code in ``skipkey.attention``,
-``skipkey.cache`` and ``skipkey.kv_policies`` stays the reference and runs
+They are an optimisation only. The eager code in ``skipkey.core.attention``,
+``skipkey.core.cache`` and ``skipkey.kv.policies`` stays the reference and runs
 wherever the kernels cannot: on GPUs, for other dtypes, where no C++ compiler is
 installed, or with ``SKIPKEY_KERNELS=0``.
 """

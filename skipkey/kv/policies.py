@@ -20,8 +20,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from skipkey import kernels
-from skipkey.attention import ScoreContribution
+from skipkey.core import kernels
+from skipkey.core.attention import ScoreContribution
 from skipkey.config import require_float, require_int
 from skipkey.errors import InputError
 

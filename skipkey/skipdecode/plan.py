@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from skipkey.errors import InputError
-from skipkey.schedules import (
+from skipkey.skipdecode.schedules import (
     ImportanceLayers,
     Schedule,
     SkipPlan,

@@ -1,0 +1,2 @@
+"""Training SkipDecode for the shapes it serves: the schedule-shape study and LoRA
+fine-tuning with the layer policy in place. Serving never imports this room."""
