@@ -9,7 +9,8 @@ from conftest import PROMPTS
 from skipkey.core.cache import EMPTY, LayerCache
 from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
-from skipkey.kv.policies import Budgets, make_kv_policy
+from skipkey.kv.budgets import Budgets
+from skipkey.kv.policies import make_kv_policy
 
 LONG_IDS = [3 + (i * 7919) % 250 for i in range(400)]
 

@@ -11,7 +11,9 @@ from hypothesis import given, settings as hyp_settings, strategies as st
 from conftest import PROMPTS
 from skipkey.core import kernels
 import skipkey.core.attention as attention
-from skipkey.core.attention import ScoreContribution, StepState, _attend_and_score
+import skipkey.kv.scoring as scoring
+from skipkey.core.attention import StepState
+from skipkey.kv.scoring import ScoreContribution
 from skipkey.core.cache import EMPTY, LayerCache
 from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
@@ -93,7 +95,8 @@ def test_attend_score_equals_the_eager_matmul_softmax_matmul(monkeypatch, fused,
         layer = _layer(keys.clone(), values.clone(), positions.clone(), start.clone(), window)
         state = StepState(cache=None, query_positions=qpos, dense=True, contribution=contribution,
                           accumulate=accumulate, position_limit=96)
-        out = _attend_and_score(layer, 3, query, layer.keys, layer.values, d ** -0.5, layer.positions, state)
+        out = contribution.attend_and_score(layer, 3, query, (layer.keys, layer.values, layer.positions), d ** -0.5,
+                                            state)
         results.append((out.float(), layer.scores))
     (out, scores), (ref_out, ref_scores) = results
     # The kernel keeps logits and output in float32 where eager rounds them to bfloat16.
@@ -118,11 +121,11 @@ def test_attention_alone_is_the_eager_attention_over_the_same_slots(monkeypatch,
     layer = _layer(keys, values, positions, None, window)
     state = StepState(cache=None, query_positions=qpos, dense=True, contribution=ScoreContribution(),
                       accumulate=False, position_limit=96)
-    alone = attention._attend_fused(fused, layer, query, keys, values, d ** -0.5, positions, state)
+    alone = attention.attend_fused(fused, layer, query, (keys, values, positions), d ** -0.5, state)
     assert layer.scores is None  # nothing scored, nothing allocated for it
     monkeypatch.setenv(kernels.SWITCH, "0")
     layer.scores = torch.zeros(b, hkv, slots)
-    reference = _attend_and_score(layer, 3, query, keys, values, d ** -0.5, positions, state)
+    reference = state.contribution.attend_and_score(layer, 3, query, (keys, values, positions), d ** -0.5, state)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(alone.float(), reference.float(), rtol=tol, atol=tol)
 
@@ -139,13 +142,14 @@ def test_prompt_scores_equal_the_eager_ones(monkeypatch, fused, dtype, window, c
     query, key = torch.randn(b, hkv * groups, s, d).to(dtype), torch.randn(b, hkv, s, d).to(dtype)
     pad = 9  # the second row is left-padded
     qpos = torch.stack([torch.arange(s), torch.arange(s) - pad]).clamp(min=-1)
-    monkeypatch.setattr(attention, "SCORE_CHUNK", 16)
+    monkeypatch.setattr(scoring, "SCORE_CHUNK", 16)
     results = []
     for switch in ("1", "0"):
         monkeypatch.setenv(kernels.SWITCH, switch)
         layer = LayerCache(window)
         layer.write(key, key, qpos, dense=False)
-        attention.accumulate_scores(layer, 3, query, key, d ** -0.5, qpos, contribution, observe, position_limit=s)
+        scoring.accumulate_scores(layer, 3, query, key, d ** -0.5, StepState(
+            cache=None, query_positions=qpos, contribution=contribution, observe=observe, position_limit=s))
         results.append(layer.scores)
     assert results[0].abs().sum() > 0
     # The kernel keeps the logits in float32 where eager rounds them to bfloat16.
@@ -160,7 +164,7 @@ def test_prompt_queries_past_the_noise_row_take_the_general_path_beside_the_fast
     one block of queries."""
     import skipkey.kv.noise as noise
     cols = 32
-    for module in (noise, attention):
+    for module in (noise, scoring):
         monkeypatch.setattr(module, "NOISE_COLS", cols)
     for cached in (noise.noise_table, noise._query_table):
         cached.cache_clear()
@@ -175,8 +179,8 @@ def test_prompt_queries_past_the_noise_row_take_the_general_path_beside_the_fast
             monkeypatch.setenv(kernels.SWITCH, switch)
             layer = LayerCache(None)
             layer.write(key, key, qpos, dense=False)
-            attention.accumulate_scores(layer, 3, query, key, d ** -0.5, qpos, ScoreContribution(1.0, 5),
-                                        position_limit=s)
+            scoring.accumulate_scores(layer, 3, query, key, d ** -0.5, StepState(
+                cache=None, query_positions=qpos, contribution=ScoreContribution(1.0, 5), position_limit=s))
             results.append(layer.scores)
     finally:
         for cached in (noise.noise_table, noise._query_table):
@@ -197,7 +201,7 @@ def test_attend_score_draws_the_noise_gumbel_noise_draws(fused):
     scores = torch.zeros(b, h, slots)
     fused.attend_score(query, 1.0, keys, values, positions, qpos, 0, False, scores, True,
                        noise_table(seed, "cpu").view(-1), starts, NOISE_COLS, 1.0)
-    from skipkey.core.attention import NoiseIndex
+    from skipkey.kv.scoring import NoiseIndex
     logits = torch.einsum("bhd,bhsd->bhs", query[:, :, 0], keys)[:, :, None, None, :]
     expected = ScoreContribution(1.0, seed)(logits, NoiseIndex(2, qpos[:, None], positions))[:, :, 0, 0]
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)

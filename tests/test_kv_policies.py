@@ -165,7 +165,7 @@ def test_bad_policy_parameters_are_refused(kwargs, message):
 
 
 def test_gumbel_noise_is_gumbel_and_keyed_by_position():
-    from skipkey.core.attention import NoiseIndex
+    from skipkey.kv.scoring import NoiseIndex
     from skipkey.kv.noise import gumbel_noise
 
     where = NoiseIndex(3, torch.arange(200)[None], torch.arange(300)[None, None])
@@ -178,7 +178,7 @@ def test_gumbel_noise_is_gumbel_and_keyed_by_position():
 
 @pytest.mark.parametrize("name", ["h2o", "keyformer"])
 def test_chunked_prefill_scoring_keeps_the_same_tokens(tiny_models, monkeypatch, name):
-    import skipkey.core.attention as attention
+    import skipkey.kv.scoring as scoring
 
     lm = tiny_models("gemma3")  # sliding layers skip chunks that only see dropped keys
     settings = GenerationSettings(max_new_tokens=4)
@@ -188,9 +188,9 @@ def test_chunked_prefill_scoring_keeps_the_same_tokens(tiny_models, monkeypatch,
                               record=True)
         return [k for e in trace.events for k in e.kept]
 
-    monkeypatch.setattr(attention, "SCORE_CHUNK", 4096)
+    monkeypatch.setattr(scoring, "SCORE_CHUNK", 4096)
     whole = kept()
-    monkeypatch.setattr(attention, "SCORE_CHUNK", 16)
+    monkeypatch.setattr(scoring, "SCORE_CHUNK", 16)
     for a, b in zip(whole, kept()):
         np.testing.assert_array_equal(a, b)
 
@@ -198,7 +198,8 @@ def test_chunked_prefill_scoring_keeps_the_same_tokens(tiny_models, monkeypatch,
 @pytest.mark.parametrize("window", [None, 24])
 def test_prefill_scores_are_the_same_in_any_chunking(monkeypatch, window):
     """Scoring only each chunk's causal (and window) band equals scoring every key."""
-    import skipkey.core.attention as attention
+    import skipkey.kv.scoring as scoring
+    from skipkey.core.attention import StepState
     from skipkey.core.cache import LayerCache
 
     torch.manual_seed(0)
@@ -209,10 +210,11 @@ def test_prefill_scores_are_the_same_in_any_chunking(monkeypatch, window):
     policy = make_kv_policy("keyformer", budget=0.5)
 
     def scores(chunk):
-        monkeypatch.setattr(attention, "SCORE_CHUNK", chunk)
+        monkeypatch.setattr(scoring, "SCORE_CHUNK", chunk)
         layer = LayerCache(window)
         layer.write(key, key, qpos, dense=False)
-        attention.accumulate_scores(layer, 3, query, key, d ** -0.5, qpos, policy.score_contribution(0, 10))
+        scoring.accumulate_scores(layer, 3, query, key, d ** -0.5, StepState(
+            cache=None, query_positions=qpos, contribution=policy.score_contribution(0, 10)))
         return layer.scores
 
     # A sliding layer keeps only its window after the prompt; chunks that see none of it are skipped.
@@ -248,7 +250,7 @@ def test_keyformer_scores_stay_finite_on_a_long_prompt_and_every_head_keeps_its_
 
 def test_gumbel_noise_is_the_same_through_every_fast_path():
     """The tabulated per-query draws and the contiguous-key read give exactly the hashed noise."""
-    from skipkey.core.attention import NoiseIndex
+    from skipkey.kv.scoring import NoiseIndex
     from skipkey.kv.noise import gumbel_noise
 
     qpos = torch.tensor([[5, 6, 7, 8], [0, 1, 2, 3]])

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skipkey.core.importance import layer_importance
 from skipkey.errors import InputError
 from skipkey.skipdecode.schedules import (
     MEASURED_SHAPES,
@@ -20,7 +21,6 @@ from skipkey.skipdecode.schedules import (
     SkipPlan,
     TopLayers,
     compute_ratio,
-    layer_importance,
     ScheduleShape,
     make_schedule,
     measured_best_shape,

@@ -33,12 +33,12 @@ from transformers import (
 )
 
 from skipkey.core.architectures import get_architecture
-from skipkey.core.attention import StepState, score_prompt
+from skipkey.core.attention import StepState, replay_prompt
 from skipkey.core.cache import EMPTY, KVCache
+from skipkey.core.importance import layer_importance
+from skipkey.core.retention import Appending, Retention
 from skipkey.config import GenerationSettings, validate_prompt_ids
 from skipkey.errors import InputError
-from skipkey.kv.policies import Budgets
-from skipkey.skipdecode.schedules import layer_importance
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class Engine:
         return ids
 
     # -- phases -----------------------------------------------------------------
-    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, state: StepState, retention: "_Retention",
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, state: StepState, retention: Retention,
                 measure_importance: bool) -> tuple[torch.Tensor, list[float] | None]:
         """Run the prompt through every layer; return last-position logits (and layer importance).
 
@@ -159,12 +159,12 @@ class Engine:
         return arch.head(hidden[:, -1:].to(self.head_device))[:, -1].to(self.device), importance
 
     def replay_prefill(self, recorded: "PromptPass", state: StepState,
-                       retention: "_Retention") -> tuple[torch.Tensor, list[float] | None]:
+                       retention: Retention) -> tuple[torch.Tensor, list[float] | None]:
         """``prefill`` from a recorded prompt pass: each layer's cache is filled and scored, no layer runs."""
         shared = _OnDevices(state, recorded.positions.max(dim=1).values + 1)
         for idx in range(self.arch.num_layers):
             layer_state, next_positions, _ = shared.on(self.layer_devices[idx])
-            score_prompt(state.cache.layers[idx], idx, recorded.captured[idx], layer_state)
+            replay_prompt(state.cache.layers[idx], idx, recorded.captured[idx], layer_state)
             retention.after(state.cache.layers[idx], 0, next_positions)
         return recorded.logits, list(recorded.importance)
 
@@ -182,13 +182,13 @@ class Engine:
         captured: dict[int, tuple] = {}
         dense = bool((batch.positions >= 0).all())
         state = StepState(cache=cache, query_positions=batch.positions, dense=dense, capture=captured)
-        retention = _Retention(None, batch, 1)
+        retention = Appending(1)
         retention.prepare(cache)
         logits, importance = self.prefill(batch.input_ids, batch.positions, state, retention, True)
         return PromptPass(batch, [captured[i] for i in range(self.arch.num_layers)], logits, tuple(importance))
 
     def decode_one_token(self, tokens: torch.Tensor, positions: torch.Tensor, layers: Sequence[int],
-                         state: StepState, retention: "_Retention", step: int) -> torch.Tensor:
+                         state: StepState, retention: Retention, step: int) -> torch.Tensor:
         """Feed one token per row through ``layers``; a skipped layer is the identity."""
         arch = self.arch if self.arch.num_layers - len(layers) >= self.min_skipped else self.full_arch
         pos = positions[:, None]
@@ -236,7 +236,8 @@ class Engine:
         batch = _Batch.build(self.encode(prompts, settings.max_new_tokens), self.pad_id, self.device)
         total_steps = settings.max_new_tokens
         cache = KVCache([info.sliding_window for info in self.arch.layer_info])
-        retention = _Retention(self.kv, batch, total_steps)
+        retention = Appending(total_steps) if self.kv is None else \
+            self.kv.retention(batch.lengths, batch.positions.device, total_steps)
         retention.prepare(cache)
         choose = _TokenChooser(settings, forced_ids, batch.input_ids)
         events = _EventBuilder(self, batch.rows, settings, cache, record)
@@ -347,49 +348,6 @@ class _OnDevices:
                                     start_score=None if state.start_score is None else state.start_score.to(device)),
                 next_positions.to(device), None if valid is None else valid.to(device))
         return found
-
-
-class _Retention:
-    """What each layer's cache keeps once the layer has run: the KV policy's budget, or the sliding window.
-
-    Storage is sized here, once: an evicting layer holds its budget plus the
-    eviction interval (the slots the next tokens are written into); an appending
-    layer holds the prompt plus every token still to come.
-    """
-
-    def __init__(self, kv, batch: _Batch, total_steps: int):
-        self.kv = kv if kv is not None and kv.evicts else None
-        self.spare = total_steps  # appending layers: room for every new token
-        self.longest = max(batch.lengths) + total_steps
-        if self.kv is not None:
-            self.budgets = Budgets.for_prompts(self.kv, batch.lengths, batch.positions.device)
-            self.most = self.budgets.most
-            self.lengths = batch.lengths
-            self.on_device = {batch.positions.device: self.budgets}  # each layer's device has its own copy
-
-    def limit(self, layer) -> int:
-        """The most tokens ``layer`` can ever hold for a query: its window, or the whole run."""
-        return self.longest if layer.window is None else layer.window - 1
-
-    def prepare(self, cache: KVCache) -> None:
-        """Mark the layers the budget never binds (a sliding window smaller than every budget, or a
-        budget above the whole run): they append like full mode, and nothing scores their tokens."""
-        for layer in cache.layers:
-            layer.scored = self.kv is not None and self.budgets.least < self.limit(layer)
-
-    def after(self, layer, step: int, next_positions: torch.Tensor) -> None:
-        if layer.keys is None:
-            return
-        if self.kv is None or not layer.scored:
-            layer.trim_to_window(self.spare)
-            return
-        tokens = min(self.most, self.limit(layer))
-        every = self.kv.evict_every
-        budgets = self.on_device.get(next_positions.device)
-        if budgets is None:
-            budgets = self.on_device[next_positions.device] = Budgets.for_prompts(
-                self.kv, self.lengths, next_positions.device)
-        self.kv.evict(layer, budgets, next_positions, capacity=tokens + every, due=step % every == 0)
 
 
 class _TokenChooser:

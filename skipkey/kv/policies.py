@@ -21,9 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from skipkey.core import kernels
-from skipkey.core.attention import ScoreContribution
+from skipkey.core.retention import Appending, Retention
 from skipkey.config import require_float, require_int
 from skipkey.errors import InputError
+from skipkey.kv.budgets import Budgets, Evicting
+from skipkey.kv.scoring import ScoreContribution
 
 SINK_TOKENS = 4  # StreamingLLM's attention sinks
 # The product's recommended query-aware options for h2o and keyformer, chosen on the retrieval benchmark
@@ -47,25 +49,6 @@ def parse_budget(value) -> float | int:
         return int(value)
     raise InputError(f"KV budget {value} is invalid: use a fraction of the prompt in (0, 1] (0.5 = half) "
                      f"or a whole number of tokens above 1 (e.g. 256)")
-
-
-@dataclass(frozen=True)
-class Budgets:
-    """Per row of a batch: slots to keep, how many of them are the recent window, and the prompt length."""
-
-    keep: torch.Tensor  # [B]
-    recent: torch.Tensor  # [B]
-    prompt_lengths: torch.Tensor  # [B]
-
-    @classmethod
-    def for_prompts(cls, policy: "KVPolicy", lengths: list[int], device) -> "Budgets":
-        keep = [policy.budget_tokens(n) for n in lengths]
-        return cls(torch.tensor(keep, device=device), torch.tensor([policy.recent_tokens(k) for k in keep],
-                                                                  device=device),
-                   torch.tensor(lengths, device=device), max(keep), min(keep))
-
-    most: int  # the largest and smallest budget in the batch, as Python ints (no device sync)
-    least: int
 
 
 @dataclass(frozen=True)
@@ -127,6 +110,10 @@ class KVPolicy:
 
     def after_prompt(self, layer) -> None:
         """Once per layer, right after the prompt pass scored it and before its first eviction."""
+
+    def retention(self, lengths: list[int], device, total_steps: int) -> Retention:
+        """What each layer keeps in a run of ``total_steps`` over prompts of ``lengths`` (the engine asks)."""
+        return Evicting(self, lengths, device, total_steps)
 
     def evict(self, layer, budgets: Budgets, next_positions: torch.Tensor, *, capacity: int,
               due: bool = True) -> None:
@@ -206,6 +193,9 @@ class FullPolicy(KVPolicy):
 
     def budget_tokens(self, prompt_len: int) -> int:
         return prompt_len
+
+    def retention(self, lengths, device, total_steps):
+        return Appending(total_steps)
 
 
 @dataclass(frozen=True)

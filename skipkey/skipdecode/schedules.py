@@ -21,9 +21,6 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-import torch
-import torch.nn.functional as F
-
 from skipkey.config import is_int, require_int
 from skipkey.errors import InputError
 
@@ -235,7 +232,7 @@ class ImportanceLayers:
 
     Not the paper's policy (it fine-tunes the model with ``TopLayers``). Off-the-shelf
     weights degrade far less when the dropped layers are those that change the
-    hidden state least (``layer_importance``), with the first and last pinned.
+    hidden state least (``skipkey.core.importance.layer_importance``), with the first and last pinned.
     ``pinned`` layers always run; ``ranking`` lists every other layer, most
     important first, and a budget ``b`` runs its first ``b - len(pinned)``. Any
     fixed ranking keeps ``E(t)`` nested, so the cache invariant holds.
@@ -295,34 +292,6 @@ class ImportanceLayers:
 
 
 LayerPolicy = TopLayers | ImportanceLayers
-
-
-def layer_importance(
-    inputs: torch.Tensor, outputs: torch.Tensor, mask: torch.Tensor | None = None
-) -> float:
-    """Mean over tokens of ``1 - cos(layer input, layer output)`` for one layer.
-
-    ``inputs`` and ``outputs`` are the hidden states ``[B, S, H]`` before and after
-    the layer; ``mask`` ``[B, S]`` is nonzero for the tokens to count (e.g. the
-    attention mask, to leave out padding). Near 0, the layer is close to the
-    identity that skipping it puts in its place.
-    """
-    if inputs.dim() != 3 or inputs.shape != outputs.shape:
-        raise InputError(
-            f"inputs and outputs must both be [batch, seq, hidden], got "
-            f"{tuple(inputs.shape)} and {tuple(outputs.shape)}"
-        )
-    change = 1.0 - F.cosine_similarity(inputs.float(), outputs.float(), dim=-1)
-    if mask is None:
-        return change.mean().item()
-    if mask.shape != change.shape:
-        raise InputError(
-            f"mask must be [batch, seq] = {tuple(change.shape)}, got {tuple(mask.shape)}"
-        )
-    counted = mask.bool()
-    if not counted.any():
-        raise InputError("mask selects no tokens; at least one is needed")
-    return change[counted].mean().item()
 
 
 def _executed(layer_sets: Sequence[Sequence[int]]) -> int:
