@@ -14,10 +14,10 @@ from pathlib import Path
 
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv.policies import KV_POLICIES, make_kv_policy, parse_budget, parse_policy_spec, policy_options
+from skipkey.kv.policies import KV_POLICIES, KVSpec, parse_budget, parse_policy_spec, policy_options
 from skipkey.skipdecode.adapter import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS
 from skipkey.skipdecode.schedules import SCHEDULE_KINDS
-from skipkey.skipdecode.plan import LAYER_POLICIES, make_skipdecode
+from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecodeSpec
 
 
 # -- shared options -------------------------------------------------------------
@@ -119,10 +119,11 @@ def adapter_schedule_from(args) -> tuple[str, dict | None]:
 def skipdecode_from(args, num_layers: int, max_new_tokens: int):
     """The SkipDecode config the options describe."""
     policy, shapes = adapter_schedule_from(args)
-    return make_skipdecode(num_layers, decode_steps(max_new_tokens), target=args.skip_target, shapes=shapes,
-                           kind=args.skip_schedule, policy=policy, b_max=args.skip_max,
-                           b_min=args.skip_min, horizon=args.skip_horizon, warmup=args.skip_warmup,
-                           exponent=args.skip_exponent, layers=args.skip_layers, hold=args.skip_hold)
+    spec = SkipDecodeSpec(target=args.skip_target, shapes=shapes, kind=args.skip_schedule, policy=policy,
+                          b_max=args.skip_max, b_min=args.skip_min, horizon=args.skip_horizon,
+                          warmup=args.skip_warmup, exponent=args.skip_exponent, layers=args.skip_layers,
+                          hold=args.skip_hold)
+    return spec.build(num_layers, decode_steps(max_new_tokens))
 
 
 def kv_policy_from(args, spec: str | None = None, *, strict: bool = True):
@@ -139,8 +140,8 @@ def kv_policy_from(args, spec: str | None = None, *, strict: bool = True):
         flags = {k: v for k, v in flags.items() if k in policy_options(name)}
     every = own.pop("evict_every", args.kv_evict_every)
     budget = own.pop("budget", args.kv_budget)
-    return make_kv_policy(name, parse_budget(budget), args.kv_recent, seed=args.seed, evict_every=every,
-                          **{**flags, **own})
+    return KVSpec(name, parse_budget(budget), args.kv_recent, seed=args.seed, evict_every=every,
+                  options={**flags, **own}).build()
 
 
 def methods_from(args, num_layers: int, max_new_tokens: int):
@@ -243,8 +244,8 @@ def cmd_bench(args) -> int:
         accelerated.append((label, skip, kv))
     policy, shapes = adapter_schedule_from(args)
     for target in args.compare_targets:
-        skip = make_skipdecode(loaded.num_layers, decode_steps(settings.max_new_tokens), target=target,
-                               kind=args.skip_schedule, policy=policy, shapes=shapes)
+        skip = SkipDecodeSpec(target=target, kind=args.skip_schedule, policy=policy, shapes=shapes).build(
+            loaded.num_layers, decode_steps(settings.max_new_tokens))
         accelerated.append((f"skip {policy} {target}x", skip, None))
     for spec in args.compare_kv:
         policy = kv_policy_from(args, spec, strict=False)

@@ -198,6 +198,16 @@ def test_each_bad_value_gets_a_clear_message(changes, message):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("percent", [100.5, 150, 200, 256])
+def test_a_kv_budget_above_100_percent_is_refused_not_read_as_tokens(percent):
+    """200 % would be 2.0 as a fraction, a whole number the library could take for 2 tokens: the app refuses it
+    and names the allowed range in its own unit."""
+    with pytest.raises(InputError) as error:
+        request_for(kv_budget_pct=percent)
+    assert "KV budget must be in (0, 100] % of the prompt" in str(error.value)
+    assert request_for(kv_budget_pct=100).kv.budget == 1.0
+
+
 def test_off_switches_skip_the_checks_of_what_is_off():
     assert request_for(skip_on=False, b_min=99).skip is None
     assert request_for(kv_on=False, kv_budget_pct=0).kv is None

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from skipkey.core import kernels
 from skipkey.core.retention import Appending, Retention
-from skipkey.config import require_float, require_int
+from skipkey.config import is_int, require_float, require_int
 from skipkey.errors import InputError
 from skipkey.kv.budgets import Budgets, Evicting
 from skipkey.kv.scoring import ScoreContribution
@@ -35,17 +36,23 @@ _PROTECTED = torch.finfo(torch.float32).max  # the recent window (and sinks): ev
 
 
 def parse_budget(value) -> float | int:
-    """A fraction of the prompt in (0, 1], or a whole number of tokens above 1."""
+    """The one unit of a KV budget: a fraction of the prompt (a float in (0, 1]) or a token count (an int above 1).
+
+    Text (the CLI's) is read as an int where it is one (``"256"``), else as a float. A
+    whole float above 1 is refused rather than read as tokens: ``2.0`` is what a
+    percentage of 200 becomes, never a count. The int 1 is the whole prompt.
+    """
     if isinstance(value, str):
+        text = value.strip()
         try:
-            value = float(value)
+            value = int(text) if text.lstrip("+-").isdigit() else float(text)
         except ValueError:
             raise InputError(f"KV budget must be a number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real)) or not math.isfinite(value):
         raise InputError(f"KV budget must be a number, got {value!r}")
     if 0 < value <= 1:
         return float(value)
-    if value > 1 and float(value).is_integer():
+    if is_int(value) and value > 1:
         return int(value)
     raise InputError(f"KV budget {value} is invalid: use a fraction of the prompt in (0, 1] (0.5 = half) "
                      f"or a whole number of tokens above 1 (e.g. 256)")
@@ -58,7 +65,7 @@ class KVPolicy:
     ``recent`` is the share of ``k`` reserved for the most recent tokens (``w = round(r * k)``).
     """
 
-    budget: float | int = 0.5
+    budget: float | int = 0.5  # a fraction of the prompt or a token count (``parse_budget``)
     recent: float = 0.3
     seed: int = 0
     evict_every: int = 1  # evict every N steps (the paper: 1); the cache holds up to budget + N - 1
@@ -432,3 +439,24 @@ def make_kv_policy(name: str, budget=0.5, recent: float = 0.3, *, seed: int = 0,
         has = ", ".join(policy_options(name)) or "none"
         raise InputError(f"KV policy {name!r} has no option {', '.join(map(repr, unknown))} (its options: {has})")
     return cls(budget=budget, recent=recent, seed=seed, evict_every=evict_every, **given)
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """A KV policy as the CLI, the app and the library ask for it; ``build`` is the one edge that checks it.
+
+    ``budget`` is in the library's one unit (``parse_budget``: a fraction of the prompt
+    or a token count); the app converts its percentage and the CLI its text before this.
+    ``options`` are the policy's own (``policy_options(name)``), None meaning its default.
+    """
+
+    name: str
+    budget: float | int = 0.5
+    recent: float = 0.3
+    seed: int = 0
+    evict_every: int = 1
+    options: dict = field(default_factory=dict)
+
+    def build(self) -> KVPolicy:
+        return make_kv_policy(self.name, self.budget, self.recent, seed=self.seed, evict_every=self.evict_every,
+                              **self.options)

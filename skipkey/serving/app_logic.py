@@ -33,14 +33,14 @@ from skipkey.core.architectures import get_architecture
 from skipkey.config import GenerationSettings, decode_steps
 from skipkey.core.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv.policies import KV_POLICIES, KVPolicy, make_kv_policy, policy_options
+from skipkey.kv.policies import KV_POLICIES, KVPolicy, KVSpec, policy_options
 from skipkey.core.loading import EMBEDDED, LoadedModel
 from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
 from skipkey.quality.metrics import (Compute, Speed, Transfer, agreement, compute, kv_share, memory, rouge_l, speed, traffic,
                              transfer)
 from skipkey.core.offload import Placement, make_placement
 from skipkey.skipdecode.schedules import SCHEDULE_KINDS
-from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecode, make_skipdecode
+from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecode, SkipDecodeSpec
 from skipkey.core.trace import Trace, lockstep
 
 MODELS_ENV = "SKIPKEY_MODELS"
@@ -368,11 +368,20 @@ def _percent(value):
     return value
 
 
+def _budget_percent(value):
+    """The app's KV budget, a percentage of the prompt, as the library's fraction; above 100 is refused
+    (as a fraction it would be a whole number, which the library reads as a token count)."""
+    value = _number(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 100:
+        raise InputError(f"KV budget must be in (0, 100] % of the prompt, got {value}")
+    return _percent(value)
+
+
 def build_request(num_layers: int, controls: Controls, shapes: dict | None = None) -> ComparisonRequest:
     """The edge: raw control values -> a frozen ``ComparisonRequest``, or an ``InputError``.
 
-    Ranges are checked by the library (``GenerationSettings``, ``make_skipdecode``,
-    ``make_kv_policy``); here only the app's own choices (on/off, greedy/sample,
+    Ranges are checked by the library (``GenerationSettings``, ``SkipDecodeSpec``,
+    ``KVSpec``); here only the app's own choices (on/off, greedy/sample,
     layers/target) and the unit conversions (% -> fraction, 6.0 -> 6).
     For a constant schedule ``b_min`` is its number of layers. A target speedup takes
     the measured-best shape: ``shapes`` (the model's adapter's table, so that tuned and
@@ -392,14 +401,13 @@ def build_request(num_layers: int, controls: Controls, shapes: dict | None = Non
                       exponent=_number(c.exponent))
         if _choice("set SkipDecode by", c.set_by, SET_BY) == "target speedup":
             policy = _choice("layers", c.layer_policy, LAYER_POLICIES)
-            skip = make_skipdecode(num_layers, gen_len, target=_number(c.target_speedup), policy=policy,
-                                   shapes=shapes)
+            spec = SkipDecodeSpec(target=_number(c.target_speedup), policy=policy, shapes=shapes)
         elif c.schedule == "constant":
-            skip = make_skipdecode(num_layers, gen_len, layers=_whole(_number(c.b_min)), **common)
+            spec = SkipDecodeSpec(layers=_whole(_number(c.b_min)), **common)
         else:
-            skip = make_skipdecode(num_layers, gen_len, b_max=_whole(_number(c.b_max)),
-                                   b_min=_whole(_number(c.b_min)), horizon=_whole(_number(c.horizon)),
-                                   hold=_whole(_number(c.hold)), **common)
+            spec = SkipDecodeSpec(b_max=_whole(_number(c.b_max)), b_min=_whole(_number(c.b_min)),
+                                  horizon=_whole(_number(c.horizon)), hold=_whole(_number(c.hold)), **common)
+        skip = spec.build(num_layers, gen_len)
     kv = None
     if _flag("KV eviction on/off", c.kv_on):
         try:
@@ -408,8 +416,8 @@ def build_request(num_layers: int, controls: Controls, shapes: dict | None = Non
                            normalize=_flag("normalize", c.kv_normalize))
             # Each method takes its own options; the page shows them all.
             known = policy_options(c.kv_policy) if c.kv_policy in KV_POLICIES else ()
-            kv = make_kv_policy(c.kv_policy, _percent(c.kv_budget_pct), _percent(c.kv_recent_pct), seed=seed,
-                                **{k: v for k, v in options.items() if k in known})
+            kv = KVSpec(c.kv_policy, _budget_percent(c.kv_budget_pct), _percent(c.kv_recent_pct), seed=seed,
+                        options={k: v for k, v in options.items() if k in known}).build()
         except InputError as error:
             raise InputError(f"{error} (the app's KV budget and recent window are in %: 50 means 0.5)") from None
     return ComparisonRequest(model=c.model, prompt=c.prompt, settings=settings, skip=skip, kv=kv,

@@ -18,7 +18,7 @@ from skipkey.skipdecode.schedules import (
     Schedule,
     SkipPlan,
     TopLayers,
-    make_schedule,
+    ScheduleSpec,
     measured_best_shape,
     schedule_for_target,
 )
@@ -61,40 +61,61 @@ class SkipDecode:
         return f"SkipDecode {self.schedule.describe()}, {self.policy} layers"
 
 
-def make_skipdecode(num_layers: int, gen_len: int, *, target: float | None = None, kind: str | None = None,
-                    policy: str = "top", b_max: int | None = None, b_min: int | None = None,
-                    horizon: int | None = None, warmup: int | None = None, exponent: float | None = None,
-                    layers: int | None = None, importance: Sequence[float] | None = None,
-                    shapes: dict | None = None, hold: int | None = None) -> SkipDecode:
-    """The one edge where the CLI's and the app's SkipDecode options become a validated config.
+@dataclass(frozen=True)
+class SkipDecodeSpec:
+    """SkipDecode as the CLI, the app and the library ask for it; ``build`` is the one edge that checks it.
 
     Either ``target`` (a nominal speedup over ``gen_len`` steps) or explicit schedule
-    parameters. A target takes the measured-best shape for the layer ``policy``
-    (``shapes``: a table like ``MEASURED_SHAPES``, e.g. the one an adapter was trained
-    with); ``kind``, ``warmup`` and ``exponent``, when given, override the shape's.
-    ``hold`` (steps at ``b_max`` before the decay) is for explicit schedules: a target's
-    shape sets its own.
+    parameters (``ScheduleSpec``'s; None: its default). A target takes the measured-best
+    shape for the layer ``policy`` (``shapes``: a table like ``MEASURED_SHAPES``, e.g.
+    the one an adapter was trained with); ``kind``, ``warmup`` and ``exponent``, when
+    given, override the shape's. ``hold`` (steps at ``b_max`` before the decay) is for
+    explicit schedules: a target's shape sets its own.
     """
-    if policy not in LAYER_POLICIES:
-        raise InputError(f"unknown layer policy {policy!r}; choose one of {', '.join(LAYER_POLICIES)}")
-    if target is not None:
-        if hold is not None:
+
+    target: float | None = None
+    policy: str = "top"
+    kind: str | None = None
+    b_max: int | None = None
+    b_min: int | None = None
+    horizon: int | None = None
+    warmup: int | None = None
+    exponent: float | None = None
+    layers: int | None = None
+    hold: int | None = None
+    importance: Sequence[float] | None = None  # calibrated per-layer scores; None = measure on the prompt
+    shapes: dict | None = None
+
+    def build(self, num_layers: int, gen_len: int) -> SkipDecode:
+        """The validated ``SkipDecode`` for a model of ``num_layers`` over ``gen_len`` decode steps."""
+        if self.policy not in LAYER_POLICIES:
+            raise InputError(f"unknown layer policy {self.policy!r}; choose one of {', '.join(LAYER_POLICIES)}")
+        schedule = self._for_target(num_layers, gen_len) if self.target is not None else ScheduleSpec(
+            self.kind or "linear", b_max=self.b_max, b_min=self.b_min, horizon=self.horizon,
+            warmup=1 if self.warmup is None else self.warmup, exponent=2.0 if self.exponent is None else self.exponent,
+            layers=self.layers, hold=0 if self.hold is None else self.hold).build(num_layers)
+        skip = SkipDecode(schedule, self.policy, tuple(self.importance) if self.importance is not None else None)
+        skip.validate(num_layers)
+        return skip
+
+    def _for_target(self, num_layers: int, gen_len: int) -> Schedule:
+        if self.hold is not None:
             raise InputError("hold is set by the target's measured-best shape; give b_max, b_min and horizon "
                              "to choose it")
-        shape = measured_best_shape(target, policy, shapes)
-        given = {k: v for k, v in (("kind", kind), ("warmup", warmup), ("exponent", exponent)) if v is not None}
+        shape = measured_best_shape(self.target, self.policy, self.shapes)
+        given = {k: v for k, v in (("kind", self.kind), ("warmup", self.warmup), ("exponent", self.exponent))
+                 if v is not None}
         if given.get("kind", shape.kind) == "constant" or shape.kind != "constant":
             shape = replace(shape, **given)
         else:  # a decay asked for where a constant shape won: decay gently from just above the constant depth
             shape = replace(shape, top=0.0, floor=1.0, **given)
-        if warmup is None:
-            shape = shape.reaching(target, num_layers)
-        schedule = schedule_for_target(target, num_layers, gen_len, shape)
-    else:
-        schedule = make_schedule(kind or "linear", num_layers, b_max=b_max, b_min=b_min, horizon=horizon,
-                                 warmup=1 if warmup is None else warmup,
-                                 exponent=2.0 if exponent is None else exponent, layers=layers,
-                                 hold=0 if hold is None else hold)
-    skip = SkipDecode(schedule, policy, tuple(importance) if importance is not None else None)
-    skip.validate(num_layers)
-    return skip
+        if self.warmup is None:
+            shape = shape.reaching(self.target, num_layers)
+        return schedule_for_target(self.target, num_layers, gen_len, shape)
+
+
+def make_skipdecode(num_layers: int, gen_len: int, spec: SkipDecodeSpec | None = None, **fields) -> SkipDecode:
+    """``spec.build(num_layers, gen_len)``; without a spec, one from ``fields`` (``SkipDecodeSpec``'s)."""
+    if spec is not None and fields:
+        raise InputError("give a SkipDecodeSpec or its fields, not both")
+    return (spec or SkipDecodeSpec(**fields)).build(num_layers, gen_len)
