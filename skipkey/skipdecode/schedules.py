@@ -16,10 +16,12 @@ pass, at full depth, made token 0) and produces token ``t + 1``.
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from skipkey.config import is_int, require_int
 from skipkey.errors import InputError
@@ -506,21 +508,6 @@ class ScheduleShape:
 
 
 PAPER_SHAPE = ScheduleShape("linear", warmup=1, top=1.0, floor=0.0)  # b_max = L, the lowest b_min that reaches
-# The shape study's winners, per layer policy: (target, shape), rows in target order; a target uses the row
-# nearest it (in log speedup). From `python -m skipkey shapes` (assets/results/shape_study.json, untuned weights);
-# ``tests/test_shapes.py`` checks them against that committed study. Full depth first (b_max = L) won everywhere,
-# and untuned, held there: with the original weights every skipping step costs more than running the first
-# steps at full depth and the tail shallower.
-MEASURED_SHAPES: dict[str, tuple[tuple[float, ScheduleShape], ...]] = {
-    "top": ((1.5, ScheduleShape("linear", warmup=1, top=1.0, floor=0.5, hold=0.5)),
-            (2.0, ScheduleShape("linear", warmup=1, top=1.0, floor=0.5, hold=0.375)),
-            (3.0, ScheduleShape("linear", warmup=1, top=1.0, floor=0.5, hold=0.1875))),
-    "importance": ((1.5, PAPER_SHAPE),
-                   (2.0, ScheduleShape("linear", warmup=1, top=1.0, floor=0.5, hold=0.25)),
-                   (3.0, ScheduleShape("linear", warmup=1, top=1.0, floor=0.75, hold=0.125))),
-}
-
-
 def measured_best_shape(target: float, policy: str = "top",
                         table: dict[str, Sequence[tuple[float, ScheduleShape]]] | None = None) -> ScheduleShape:
     """The measured-best shape for ``target`` under layer ``policy``: from ``table`` (e.g. the shapes an adapter
@@ -550,6 +537,17 @@ def shapes_from_json(obj: object) -> dict[str, tuple[tuple[float, ScheduleShape]
     return table
 
 
+# The shape study's winners, per layer policy: (target, shape), rows in target order; a target uses the row
+# nearest it (in log speedup). Read from ``measured_shapes.json`` beside this module, which
+# `python -m skipkey shapes` measured (assets/results/shape_study.json, untuned weights);
+# ``tests/test_shapes.py`` checks the file against that committed study. Full depth first (b_max = L) won
+# everywhere, and untuned, held there: with the original weights every skipping step costs more than running
+# the first steps at full depth and the tail shallower.
+MEASURED_SHAPES_FILE = Path(__file__).with_name("measured_shapes.json")
+MEASURED_SHAPES: dict[str, tuple[tuple[float, ScheduleShape], ...]] = shapes_from_json(
+    json.loads(MEASURED_SHAPES_FILE.read_text()))
+
+
 def schedule_for_target(target: float, num_layers: int, gen_len: int, shape: ScheduleShape | None = None,
                         policy: str = "top") -> Schedule:
     """The schedule closest to ``target`` (nominal speedup over ``gen_len`` decode steps).
@@ -563,45 +561,55 @@ def schedule_for_target(target: float, num_layers: int, gen_len: int, shape: Sch
     return shape.schedule(target, num_layers, gen_len)
 
 
-def make_schedule(
-    kind: str,
-    num_layers: int,
-    *,
-    b_max: int | None = None,
-    b_min: int | None = None,
-    horizon: int | None = None,
-    warmup: int = 1,
-    exponent: float = 2.0,
-    layers: int | None = None,
-    hold: int = 0,
-) -> Schedule:
-    """A validated schedule from the CLI's or the app's options; ``b_max`` defaults to ``L``; ``hold`` steps
-    run ``b_max`` before a decay starts."""
-    _check_kind(kind)
-    _require_int("num_layers", num_layers, 1)
-    # Checked against the model first, so the messages name its range.
-    _check_warmup(warmup, num_layers)
-    if kind == "constant":
-        if (b_max, b_min, horizon) != (None, None, None) or hold:
-            raise InputError("a constant schedule takes layers, not b_max, b_min, horizon or hold")
-        if layers is None:
-            raise InputError(
-                f"a constant schedule needs layers, an integer from {warmup + 1} to {num_layers}"
-            )
-        _check_layer_count("layers", layers, warmup, num_layers)
-        schedule: Schedule = ConstantSchedule(layers, warmup=warmup)
-    else:
-        if layers is not None:
-            raise InputError(f"a {kind} schedule takes b_max, b_min and horizon, not layers")
-        b_max = num_layers if b_max is None else b_max
-        _check_layer_count("b_max", b_max, warmup, num_layers)
-        if b_min is None:
-            raise InputError(f"a {kind} schedule needs b_min, an integer from {warmup + 1} to b_max")
-        if horizon is None:
-            raise InputError(f"a {kind} schedule needs horizon, an integer >= 0 (steps)")
-        if kind == "linear":
-            schedule = LinearSchedule(b_max, b_min, horizon, warmup=warmup, hold=hold)
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """An explicit schedule as the CLI, the app and the library ask for it, checked by ``build``.
+
+    ``b_max`` defaults to ``L``; ``hold`` steps run ``b_max`` before a decay starts; a
+    constant schedule takes ``layers`` instead of ``b_max``, ``b_min``, ``horizon``, ``hold``.
+    """
+
+    kind: str = "linear"
+    b_max: int | None = None
+    b_min: int | None = None
+    horizon: int | None = None
+    warmup: int = 1
+    exponent: float = 2.0
+    layers: int | None = None
+    hold: int = 0
+
+    def build(self, num_layers: int) -> Schedule:
+        """The validated schedule for a model of ``num_layers``; messages name that model's ranges."""
+        kind, warmup = self.kind, self.warmup
+        _check_kind(kind)
+        _require_int("num_layers", num_layers, 1)
+        # Checked against the model first, so the messages name its range.
+        _check_warmup(warmup, num_layers)
+        if kind == "constant":
+            if (self.b_max, self.b_min, self.horizon) != (None, None, None) or self.hold:
+                raise InputError("a constant schedule takes layers, not b_max, b_min, horizon or hold")
+            if self.layers is None:
+                raise InputError(f"a constant schedule needs layers, an integer from {warmup + 1} to {num_layers}")
+            _check_layer_count("layers", self.layers, warmup, num_layers)
+            schedule: Schedule = ConstantSchedule(self.layers, warmup=warmup)
         else:
-            schedule = PowerLawSchedule(b_max, b_min, horizon, exponent=exponent, warmup=warmup, hold=hold)
-    schedule.validate(num_layers)
-    return schedule
+            if self.layers is not None:
+                raise InputError(f"a {kind} schedule takes b_max, b_min and horizon, not layers")
+            b_max = num_layers if self.b_max is None else self.b_max
+            _check_layer_count("b_max", b_max, warmup, num_layers)
+            if self.b_min is None:
+                raise InputError(f"a {kind} schedule needs b_min, an integer from {warmup + 1} to b_max")
+            if self.horizon is None:
+                raise InputError(f"a {kind} schedule needs horizon, an integer >= 0 (steps)")
+            if kind == "linear":
+                schedule = LinearSchedule(b_max, self.b_min, self.horizon, warmup=warmup, hold=self.hold)
+            else:
+                schedule = PowerLawSchedule(b_max, self.b_min, self.horizon, exponent=self.exponent, warmup=warmup,
+                                            hold=self.hold)
+        schedule.validate(num_layers)
+        return schedule
+
+
+def make_schedule(kind: str, num_layers: int, **options) -> Schedule:
+    """``ScheduleSpec(kind, **options).build(num_layers)``: a validated schedule from keyword options."""
+    return ScheduleSpec(kind, **options).build(num_layers)
