@@ -381,9 +381,9 @@ def test_schedule_preview_never_runs_the_model(handlers, monkeypatch):
                                                   b_max=b_max, b_min=b_min, horizon=horizon, **more))
 
     fig = preview("embedded", "linear", "layers", 6, 3, 10)
-    assert list(fig.data[1].y) == [LinearSchedule(6, 3, 10).budget(t) for t in range(19)]
+    assert list(fig.data[1].y) == [LinearSchedule(6, 3, 10).depth(t) for t in range(19)]
     held = preview("embedded", "linear", "layers", 6, 3, 10, hold=4)
-    assert list(held.data[1].y) == [LinearSchedule(6, 3, 10, hold=4).budget(t) for t in range(19)]
+    assert list(held.data[1].y) == [LinearSchedule(6, 3, 10, hold=4).depth(t) for t in range(19)]
     assert list(held.data[1].y)[:5] == [6] * 5 and list(held.data[1].y) != list(fig.data[1].y)
     bad = preview("embedded", "linear", "layers", 6, 9, 10)
     assert "b_min must be" in bad.layout.annotations[0].text
@@ -391,7 +391,7 @@ def test_schedule_preview_never_runs_the_model(handlers, monkeypatch):
     assert "nominal speedup" in target.layout.title.text
     # A target takes the measured-best shape: the kind radio (hidden in that mode) does not count.
     shape = measured_best_shape(2.0, "top").schedule(2.0, 6, 19)
-    assert list(target.data[1].y) == [shape.budget(t) for t in range(19)]
+    assert list(target.data[1].y) == [shape.depth(t) for t in range(19)]
     assert preview("gpt2", "linear", "layers", 6, 3, 10).layout.annotations
 
 

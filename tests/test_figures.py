@@ -87,7 +87,7 @@ def test_retention_needs_recorded_positions(tiny_models):
 def test_schedule_figure_draws_b_of_t(schedule):
     fig = figures.schedule_figure(schedule, num_layers=6, steps=20)
     (budget,) = [t for t in fig.data if t.name == "SkipDecode b(t)"]
-    assert list(budget.y) == [schedule.budget(t) for t in range(20)]
+    assert list(budget.y) == [schedule.depth(t) for t in range(20)]
     assert "nominal speedup" in fig.layout.title.text
 
 

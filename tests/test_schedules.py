@@ -72,7 +72,7 @@ def horizon_of(schedule):
 @given(schedules())
 def test_budget_never_grows_and_stays_between_b_min_and_b_max(case):
     _, schedule = case
-    budgets = [schedule.budget(t) for t in range(horizon_of(schedule) + 5)]
+    budgets = [schedule.depth(t) for t in range(horizon_of(schedule) + 5)]
     assert all(later <= earlier for earlier, later in zip(budgets, budgets[1:]))
     assert all(schedule.b_min <= b <= schedule.b_max for b in budgets)
     assert budgets[-1] == schedule.b_min
@@ -82,23 +82,23 @@ def test_budget_never_grows_and_stays_between_b_min_and_b_max(case):
 def test_linear_starts_at_b_max_and_reaches_b_min_at_the_horizon(case):
     _, schedule = case
     if schedule.horizon > 0 or schedule.hold > 0:
-        assert schedule.budget(0) == schedule.b_max
-    assert all(schedule.budget(t) == schedule.b_max for t in range(schedule.hold))
-    assert schedule.budget(horizon_of(schedule)) == schedule.b_min
+        assert schedule.depth(0) == schedule.b_max
+    assert all(schedule.depth(t) == schedule.b_max for t in range(schedule.hold))
+    assert schedule.depth(horizon_of(schedule)) == schedule.b_min
     if schedule.horizon > 1:
-        assert schedule.budget(horizon_of(schedule) - 1) >= schedule.b_min
+        assert schedule.depth(horizon_of(schedule) - 1) >= schedule.b_min
 
 
 def test_linear_follows_the_papers_formula_with_halves_rounded_up():
     schedule = LinearSchedule(b_max=24, b_min=4, horizon=10)
-    assert [schedule.budget(t) for t in (0, 1, 5, 10, 11, 1000)] == [24, 22, 14, 4, 4, 4]
+    assert [schedule.depth(t) for t in (0, 1, 5, 10, 11, 1000)] == [24, 22, 14, 4, 4, 4]
     # 3 - 1 * 1/2 = 2.5: Python's round() would give 2.
-    assert LinearSchedule(3, 2, 2).budget(1) == 3
+    assert LinearSchedule(3, 2, 2).depth(1) == 3
 
 
 def test_horizon_zero_means_b_min_from_the_first_step():
     for schedule in (LinearSchedule(12, 3, 0), PowerLawSchedule(12, 3, 0)):
-        assert [schedule.budget(t) for t in range(4)] == [3, 3, 3, 3]
+        assert [schedule.depth(t) for t in range(4)] == [3, 3, 3, 3]
 
 
 @given(schedules(kind="power"))
@@ -107,7 +107,7 @@ def test_power_law_with_exponent_above_one_never_exceeds_linear(case):
     power = PowerLawSchedule(power.b_max, power.b_min, power.horizon, exponent=2.0, warmup=power.warmup)
     linear = LinearSchedule(power.b_max, power.b_min, power.horizon, warmup=power.warmup)
     for t in range(power.horizon + 2):
-        assert power.budget(t) <= linear.budget(t)
+        assert power.depth(t) <= linear.depth(t)
 
 
 # --- layer sets ---------------------------------------------------------------
@@ -121,7 +121,7 @@ def test_layer_sets_nest_and_have_the_budgets_size(case):
         layers = plan.layer_set(t)
         assert list(layers) == sorted(set(layers))
         assert all(0 <= layer < plan.num_layers for layer in layers)
-        assert len(layers) == plan.schedule.budget(t)
+        assert len(layers) == plan.schedule.depth(t)
         if previous is not None:
             assert set(layers) <= set(previous), f"E({t}) is not inside E({t - 1})"
         previous = layers
@@ -275,7 +275,7 @@ def test_a_shape_gives_a_valid_schedule_near_any_reachable_target(shape, num_lay
 def test_a_higher_target_never_runs_more_layers(shape, num_layers, low, high):
     highest = num_layers / (shape.warmup + 1)
     a, b = sorted((1 + low * (highest - 1), 1 + high * (highest - 1)))
-    layers = [sum(shape.schedule(t, num_layers, 32).budget(s) for s in range(32)) for t in (a, b)]
+    layers = [sum(shape.schedule(t, num_layers, 32).depth(s) for s in range(32)) for t in (a, b)]
     assert layers[1] <= layers[0] * 1.03  # the same shape: at most the 1% search tolerance either way
 
 
@@ -283,7 +283,7 @@ def test_a_higher_target_never_runs_more_layers(shape, num_layers, low, high):
 @settings(max_examples=20, deadline=None)
 def test_target_one_runs_every_layer(shape, num_layers):
     schedule = shape.schedule(1.0, num_layers, 32)
-    assert all(schedule.budget(t) == num_layers for t in range(32))
+    assert all(schedule.depth(t) == num_layers for t in range(32))
 
 
 def test_the_shape_sets_b_max_and_b_min_where_the_target_allows():
@@ -296,15 +296,15 @@ def test_the_shape_sets_b_max_and_b_min_where_the_target_allows():
 
 def test_a_hold_runs_b_max_first_and_then_the_same_decay_later():
     plain, held = LinearSchedule(8, 2, 6), LinearSchedule(8, 2, 6, hold=3)
-    assert [held.budget(t) for t in range(12)] == [8, 8, 8] + [plain.budget(t) for t in range(9)]
-    assert PowerLawSchedule(8, 2, 0, hold=2).budget(1) == 8 and PowerLawSchedule(8, 2, 0, hold=2).budget(2) == 2
+    assert [held.depth(t) for t in range(12)] == [8, 8, 8] + [plain.depth(t) for t in range(9)]
+    assert PowerLawSchedule(8, 2, 0, hold=2).depth(1) == 8 and PowerLawSchedule(8, 2, 0, hold=2).depth(2) == 2
     assert "after 3 steps at b_max" in held.describe() and "after" not in plain.describe()
 
 
 def test_a_shapes_hold_keeps_full_depth_first_and_shortens_only_where_the_target_needs_it():
     shape = ScheduleShape("linear", 1, top=1.0, floor=0.0, hold=0.1875)  # 12 of 63 steps
     at_1_5 = shape.schedule(1.5, 18, 63)
-    assert at_1_5.hold == 12 and [at_1_5.budget(t) for t in range(13)] == [18] * 13
+    assert at_1_5.hold == 12 and [at_1_5.depth(t) for t in range(13)] == [18] * 13
     assert SkipPlan(at_1_5, TopLayers(18), 18).nominal_speedup(63) == pytest.approx(1.5, rel=0.01)
     at_5 = shape.schedule(5.0, 18, 63)  # 12 steps at 18 layers leave no way to 5x: a shorter hold, b_max kept
     assert at_5.b_max == 18 and at_5.hold < 12
@@ -367,7 +367,7 @@ INVALID = [
     (lambda: LinearSchedule(8, 2, 3, hold=-1), "hold must be an integer >= 0"),
     (lambda: PowerLawSchedule(8, 2, 3, hold=1.5), "hold must be an integer >= 0"),
     (lambda: LinearSchedule(8, True, 10, warmup=0), "b_min must be an integer from 1"),
-    (lambda: LinearSchedule(8, 2, 10).budget(-1), "step t must be an integer >= 0"),
+    (lambda: LinearSchedule(8, 2, 10).depth(-1), "step t must be an integer >= 0"),
     (lambda: PowerLawSchedule(8, 2, 10, exponent=0.0), "exponent must be a finite number > 0"),
     (lambda: PowerLawSchedule(8, 2, 10, exponent=-1.0), "exponent must be a finite number > 0"),
     (lambda: PowerLawSchedule(8, 2, 10, exponent=math.nan), "exponent must be a finite number > 0"),
@@ -386,15 +386,15 @@ INVALID = [
     (lambda: make_schedule("power", 24, b_min=2), "needs horizon, an integer >= 0"),
     (lambda: make_schedule("linear", 24, b_max=25, b_min=2, horizon=8), "b_max must be an integer from 2 .* to 24"),
     (lambda: TopLayers(8, warmup=8), "warmup must be an integer from 0 to 7"),
-    (lambda: TopLayers(8, warmup=1).layers(1), "budget .* must be an integer from 2 to 8"),
-    (lambda: TopLayers(8, warmup=1).layers(9), "budget .* must be an integer from 2 to 8"),
+    (lambda: TopLayers(8, warmup=1).layers(1), "depth .* must be an integer from 2 to 8"),
+    (lambda: TopLayers(8, warmup=1).layers(9), "depth .* must be an integer from 2 to 8"),
     (lambda: ImportanceLayers((1, 2), (0, 2)), "exactly once"),
     (lambda: ImportanceLayers((1, 3), (0,)), "exactly once"),
     (lambda: ImportanceLayers((), ()), "exactly once"),
     (lambda: ImportanceLayers((1.0, 2), (0,)), "exactly once"),
     (lambda: ImportanceLayers.from_scores([1.0, math.nan, 2.0]), "finite"),
     (lambda: ImportanceLayers.from_scores([1.0, 2.0], pinned=(2,)), "pinned layer must be an integer from 0 to 1"),
-    (lambda: ImportanceLayers.from_scores([1.0, 2.0, 3.0]).layers(1), "budget .* from 2 to 3"),
+    (lambda: ImportanceLayers.from_scores([1.0, 2.0, 3.0]).layers(1), "depth .* from 2 to 3"),
     (
         lambda: SkipPlan(LinearSchedule(8, 2, 10), ImportanceLayers.from_scores([0.0] * 8, pinned=(0, 1, 7)), 8),
         "runs 3 to 8 layers a step, but the schedule .* asks for 2 to 8",

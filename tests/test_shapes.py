@@ -18,10 +18,10 @@ STUDY = Path(__file__).resolve().parents[1] / "assets" / "results" / "shape_stud
 def test_candidates_are_distinct_schedules_near_the_target(policy):
     options = candidates(18, 63, 2.0, policy)
     assert len(options) < len(shape_grid(policy))  # shapes that give the same budgets run once
-    keys = [(shape.warmup if policy == "top" else 0, tuple(s.budget(t) for t in range(63))) for shape, s in options]
+    keys = [(shape.warmup if policy == "top" else 0, tuple(s.depth(t) for t in range(63))) for shape, s in options]
     assert len(set(keys)) == len(keys)
     for _, schedule in options:
-        assert 18 * 63 / sum(schedule.budget(t) for t in range(63)) == pytest.approx(2.0, rel=0.02)
+        assert 18 * 63 / sum(schedule.depth(t) for t in range(63)) == pytest.approx(2.0, rel=0.02)
     assert options[0][0] == PAPER_SHAPE  # the paper's shape is screened first
 
 

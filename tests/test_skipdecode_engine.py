@@ -42,7 +42,7 @@ def test_each_step_runs_exactly_its_layer_set(tiny_models, schedule, policy):
     assert events[0][1] == list(range(6))  # the prompt runs at full depth
     for t, (event, ran) in enumerate(events[1:]):
         assert ran == list(event.layers), f"step {t}"
-        assert len(ran) == schedule.budget(t)
+        assert len(ran) == schedule.depth(t)
     sets = [set(e.layers) for e, _ in events]
     assert all(b <= a for a, b in zip(sets, sets[1:])), "E(t+1) must be a subset of E(t)"
 

@@ -2,7 +2,7 @@
 
 * ``layer_usage_figure``: which decoder layers produced each generated token;
 * ``retention_figure``: which positions each layer's KV cache still holds after a step;
-* ``schedule_figure``: the SkipDecode budget ``b(t)`` a schedule gives, before any run;
+* ``schedule_figure``: the SkipDecode depth ``b(t)`` (layers per step) a schedule gives, before any run;
 * ``layers_html``: the generated text, each token shaded by the layers it used.
 
 Nothing here reads the engine or the model: the same trace always draws the same figure.
@@ -189,12 +189,12 @@ def retention_figure(trace: Trace, step: int | None = None, row: int = 0,
 def schedule_figure(schedule, num_layers: int, steps: int, height: int = 220) -> go.Figure:
     """``b(t)`` over ``steps`` decode steps, next to the full model's ``L``; no model needed."""
     t = np.arange(steps)
-    budgets = np.array([schedule.budget(int(i)) for i in t])
-    speedup = nominal_speedup([range(int(b)) for b in budgets], num_layers)
+    depths = np.array([schedule.depth(int(i)) for i in t])
+    speedup = nominal_speedup([range(int(b)) for b in depths], num_layers)
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=t, y=np.full(steps, num_layers), mode="lines", name="full model",
                              line=dict(color="#9ca3af", dash="dot"), hoverinfo="skip"))
-    fig.add_trace(go.Scatter(x=t, y=budgets, mode="lines", name="SkipDecode b(t)", line_shape="hv",
+    fig.add_trace(go.Scatter(x=t, y=depths, mode="lines", name="SkipDecode b(t)", line_shape="hv",
                              line=dict(color=RAN, width=2.5),
                              hovertemplate="step %{x}: %{y} layers<extra></extra>"))
     fig.update_layout(

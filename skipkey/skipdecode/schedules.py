@@ -40,7 +40,7 @@ def _check_warmup(warmup: object, num_layers: int | None) -> None:
 
 
 def _check_layer_count(name: str, value: object, warmup: int, num_layers: int | None) -> None:
-    # The warm-up layers always run, so a budget must leave room for at least one more.
+    # The warm-up layers always run, so a depth must leave room for at least one more.
     _require_int(
         name, value, warmup + 1, num_layers, low_is=" (warmup + 1)", high_is=" (the model's layers)"
     )
@@ -117,7 +117,7 @@ class LinearSchedule:
     def validate(self, num_layers: int) -> None:
         _check_decay(self, num_layers)
 
-    def budget(self, t: int) -> int:
+    def depth(self, t: int) -> int:
         return _round_half_up(self.b_max - (self.b_max - self.b_min) * _progress(t, self.horizon, self.hold))
 
     def describe(self) -> str:
@@ -132,7 +132,7 @@ class PowerLawSchedule:
     """The power-law variant the paper mentions trying.
 
     ``b(t) = round(b_min + (b_max - b_min) * (1 - min(1, t / T)) ** exponent)``.
-    ``exponent = 1`` is the linear schedule; above 1 the budget falls fast at first
+    ``exponent = 1`` is the linear schedule; above 1 the depth falls fast at first
     and then levels off towards ``b_min``; below 1 it stays high longer and drops
     late. ``horizon = 0`` means ``b(t) = b_min`` from the first step. Halves round up.
     ``hold``: as ``LinearSchedule``'s.
@@ -152,7 +152,7 @@ class PowerLawSchedule:
     def validate(self, num_layers: int) -> None:
         _check_decay(self, num_layers)
 
-    def budget(self, t: int) -> int:
+    def depth(self, t: int) -> int:
         remaining = (1.0 - _progress(t, self.horizon, self.hold)) ** self.exponent
         return _round_half_up(self.b_min + (self.b_max - self.b_min) * remaining)
 
@@ -184,7 +184,7 @@ class ConstantSchedule:
     def validate(self, num_layers: int) -> None:
         _check_constant(self, num_layers)
 
-    def budget(self, t: int) -> int:
+    def depth(self, t: int) -> int:
         _check_step(t)
         return self.layers
 
@@ -195,9 +195,9 @@ class ConstantSchedule:
 Schedule = LinearSchedule | PowerLawSchedule | ConstantSchedule
 
 
-def _check_budget(policy: TopLayers | ImportanceLayers, budget: int) -> None:
-    low, high = policy.budget_range
-    _require_int(f"layer budget for {policy.describe()}", budget, low, high)
+def _check_depth(policy: TopLayers | ImportanceLayers, depth: int) -> None:
+    low, high = policy.depth_range
+    _require_int(f"depth (layers a step runs) for {policy.describe()}", depth, low, high)
 
 
 @dataclass(frozen=True)
@@ -216,12 +216,12 @@ class TopLayers:
         _check_warmup(self.warmup, self.num_layers)
 
     @property
-    def budget_range(self) -> tuple[int, int]:
+    def depth_range(self) -> tuple[int, int]:
         return self.warmup + 1, self.num_layers
 
-    def layers(self, budget: int) -> tuple[int, ...]:
-        _check_budget(self, budget)
-        first_top = self.num_layers - (budget - self.warmup)
+    def layers(self, depth: int) -> tuple[int, ...]:
+        _check_depth(self, depth)
+        first_top = self.num_layers - (depth - self.warmup)
         return (*range(self.warmup), *range(first_top, self.num_layers))
 
     def describe(self) -> str:
@@ -236,7 +236,7 @@ class ImportanceLayers:
     weights degrade far less when the dropped layers are those that change the
     hidden state least (``skipkey.core.importance.layer_importance``), with the first and last pinned.
     ``pinned`` layers always run; ``ranking`` lists every other layer, most
-    important first, and a budget ``b`` runs its first ``b - len(pinned)``. Any
+    important first, and a depth ``b`` runs its first ``b - len(pinned)``. Any
     fixed ranking keeps ``E(t)`` nested, so the cache invariant holds.
     """
 
@@ -282,12 +282,12 @@ class ImportanceLayers:
         return len(self.ranking) + len(self.pinned)
 
     @property
-    def budget_range(self) -> tuple[int, int]:
+    def depth_range(self) -> tuple[int, int]:
         return max(1, len(self.pinned)), self.num_layers
 
-    def layers(self, budget: int) -> tuple[int, ...]:
-        _check_budget(self, budget)
-        return tuple(sorted((*self.pinned, *self.ranking[: budget - len(self.pinned)])))
+    def layers(self, depth: int) -> tuple[int, ...]:
+        _check_depth(self, depth)
+        return tuple(sorted((*self.pinned, *self.ranking[: depth - len(self.pinned)])))
 
     def describe(self) -> str:
         return f"importance-ranked layers, pinned {self.pinned}, of {self.num_layers}"
@@ -330,12 +330,12 @@ def compute_ratio(
 
 @dataclass(frozen=True)
 class SkipPlan:
-    """A schedule and a policy for one model: ``E(t) = policy.layers(schedule.budget(t))``."""
+    """A schedule and a policy for one model: ``E(t) = policy.layers(schedule.depth(t))``."""
 
     schedule: Schedule
     policy: LayerPolicy
     num_layers: int
-    _by_budget: dict[int, tuple[int, ...]] = field(
+    _by_depth: dict[int, tuple[int, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -350,7 +350,7 @@ class SkipPlan:
                 f"the layer policy is for {self.policy.num_layers} layers, "
                 f"the model has {self.num_layers}"
             )
-        low, high = self.policy.budget_range
+        low, high = self.policy.depth_range
         if not low <= self.schedule.b_min <= self.schedule.b_max <= high:
             raise InputError(
                 f"{self.policy.describe()} runs {low} to {high} layers a step, "
@@ -365,10 +365,10 @@ class SkipPlan:
 
     def layer_set(self, t: int) -> tuple[int, ...]:
         """``E(t)``, the layers step ``t`` runs, ascending."""
-        budget = self.schedule.budget(t)
-        layers = self._by_budget.get(budget)
+        depth = self.schedule.depth(t)
+        layers = self._by_depth.get(depth)
         if layers is None:
-            layers = self._by_budget[budget] = self.policy.layers(budget)
+            layers = self._by_depth[depth] = self.policy.layers(depth)
         return layers
 
     def layer_sets(self, n_steps: int) -> list[tuple[int, ...]]:
@@ -439,8 +439,8 @@ class ScheduleShape:
             )
 
         def speedup(schedule: Schedule) -> float:
-            # |E(t)| = b(t) under every policy, so the budgets are enough.
-            return num_layers * gen_len / sum(schedule.budget(t) for t in range(gen_len))
+            # |E(t)| = b(t) under every policy, so the depths are enough.
+            return num_layers * gen_len / sum(schedule.depth(t) for t in range(gen_len))
 
         if self.kind == "constant":
             return min((ConstantSchedule(b, warmup=self.warmup) for b in range(num_layers, lowest - 1, -1)),

@@ -67,7 +67,7 @@ def candidates(num_layers: int, steps: int, target: float, policy: str) -> list[
     seen, out = set(), []
     for shape in shape_grid(policy):
         schedule = shape.schedule(target, num_layers, steps)
-        key = (shape.warmup if policy == "top" else 0, tuple(schedule.budget(t) for t in range(steps)))
+        key = (shape.warmup if policy == "top" else 0, tuple(schedule.depth(t) for t in range(steps)))
         if key not in seen:
             seen.add(key)
             out.append((shape, schedule))
@@ -76,7 +76,7 @@ def candidates(num_layers: int, steps: int, target: float, policy: str) -> list[
 
 def _row(model: str, policy: str, target: float, shape: ScheduleShape, schedule, num_layers: int,
          steps: int) -> dict:
-    budgets = [schedule.budget(t) for t in range(steps)]
+    budgets = [schedule.depth(t) for t in range(steps)]
     return dict(model=model, policy=policy, target=target, shape=asdict(shape), shape_text=shape.describe(),
                 schedule=schedule.describe(), nominal=round(num_layers * steps / sum(budgets), 3),
                 mean_layers=round(sum(budgets) / steps, 2))
