@@ -152,7 +152,7 @@ def test_a_skip_only_adapter_decodes_as_it_trained_and_leaves_full_depth_the_ori
         # (unmerged, gated).
         with torch.no_grad():
             ref = torch.log_softmax(teacher_forced_logits(arch, ids, len(prompt), [e.layers for e in events[1:]],
-                                                          adapter_at=gate).float(), dim=-1)
+                                                          adapter_gate=gate).float(), dim=-1)
         ref = ref[len(prompt) - 1:].gather(1, torch.tensor(full)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor([e.logprobs[0] for e in events]), ref, rtol=1e-4, atol=1e-4)
         # ... and the adapter changed the steps that skip enough, and only those.

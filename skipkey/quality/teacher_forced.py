@@ -13,7 +13,7 @@ that fine-tuning (SkipDecode's training) differentiates through, and how
 perplexity is measured for skipping. Nothing here disables autograd.
 
 A skip-only adapter applies only at decode steps that skip layers: the
-``adapter_at`` callback is told, before each layer runs, how many layers each
+``adapter_gate`` callback is told, before each layer runs, how many layers each
 slot's step skips (``[B, T]``, 0 at the prompt and padding), and after the
 pass ``None``.
 """
@@ -79,9 +79,9 @@ def _skipped(positions: torch.Tensor, prompt_lens: torch.Tensor, layer_sets: Seq
 
 
 def _final_hidden(arch, input_ids: torch.Tensor, positions: torch.Tensor, prompt_lens: torch.Tensor,
-                  layer_sets: Sequence[Sequence[int]], kept=None, adapter_at=None) -> torch.Tensor:
+                  layer_sets: Sequence[Sequence[int]], kept=None, adapter_gate=None) -> torch.Tensor:
     """Hidden states ``[B, T, H]`` after the last layer; ``positions`` is -1 at padding."""
-    skipped = None if adapter_at is None else _skipped(positions, prompt_lens, layer_sets, arch.num_layers)
+    skipped = None if adapter_gate is None else _skipped(positions, prompt_lens, layer_sets, arch.num_layers)
     rope_pos = positions.clamp(min=0)
     hidden = arch.embed(input_ids, rope_pos)
     inputs_by_end: dict[int, list[dict]] = {}
@@ -97,38 +97,38 @@ def _final_hidden(arch, input_ids: torch.Tensor, positions: torch.Tensor, prompt
             mask = _mask(idx, arch.layer_info[idx].sliding_window, positions[:, :end], int(prompt_lens[0]),
                          kept, arch.num_heads)
             if skipped is not None:
-                adapter_at(skipped[:, :end])
+                adapter_gate(skipped[:, :end])
             out = arch.run_layer(idx, hidden[:, :end], inputs_by_end[end][idx], attention_mask=mask)
             head = torch.where(runs[:, :end, None], out, hidden[:, :end])
             hidden = head if end == hidden.shape[1] else torch.cat([head, hidden[:, end:]], dim=1)
     finally:
-        if adapter_at is not None:
-            adapter_at(None)
+        if adapter_gate is not None:
+            adapter_gate(None)
     return hidden
 
 
 def teacher_forced_logits(arch, input_ids: torch.Tensor, prompt_len: int,
                           layer_sets: Sequence[Sequence[int]] | None = None,
                           kept: Sequence[Sequence[np.ndarray | None]] | None = None,
-                          adapter_at=None) -> torch.Tensor:
+                          adapter_gate=None) -> torch.Tensor:
     """Logits ``[T, V]`` for a single sequence ``input_ids`` ``[1, T]``.
 
     ``layer_sets[t]`` is ``E(t)``, run by generated position ``prompt_len + t``
     (missing entries run every layer). ``kept[t][l]`` (as recorded in
     ``StepEvent.kept`` for the event that produced token ``t``) restricts what the
     query at ``prompt_len + t`` sees in layer ``l``, besides itself.
-    ``adapter_at``: a skip-only adapter's switch (module docstring).
+    ``adapter_gate``: a skip-only adapter's switch (module docstring).
     """
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
     prompt_lens = torch.tensor([prompt_len], device=input_ids.device)
-    hidden = _final_hidden(arch, input_ids, positions, prompt_lens, list(layer_sets or []), kept, adapter_at)
+    hidden = _final_hidden(arch, input_ids, positions, prompt_lens, list(layer_sets or []), kept, adapter_gate)
     return arch.head(hidden)[0]
 
 
 def teacher_forced_logits_batch(arch, input_ids: torch.Tensor, prompt_lens: Sequence[int],
                                 layer_sets: Sequence[Sequence[int]] | None = None, *,
                                 attention_mask: torch.Tensor | None = None,
-                                logits_at: torch.Tensor | None = None, adapter_at=None) -> torch.Tensor:
+                                logits_at: torch.Tensor | None = None, adapter_gate=None) -> torch.Tensor:
     """Logits for a padded batch ``input_ids`` ``[B, T]``, the schedule shared by the batch.
 
     ``attention_mask`` ``[B, T]`` is 1 at tokens and 0 at padding, on either side
@@ -137,7 +137,7 @@ def teacher_forced_logits_batch(arch, input_ids: torch.Tensor, prompt_lens: Sequ
     ``E(t)`` follows the generation step, not the slot, as in the engine.
     ``logits_at`` ``[B, T]`` (bool) computes the LM head only there and returns
     ``[N, V]`` in row-major order (the head is most of the cost on big
-    vocabularies); by default all of ``[B, T, V]``. ``adapter_at``: a skip-only
+    vocabularies); by default all of ``[B, T, V]``. ``adapter_gate``: a skip-only
     adapter's switch (module docstring).
     """
     if input_ids.dim() != 2:
@@ -152,7 +152,7 @@ def teacher_forced_logits_batch(arch, input_ids: torch.Tensor, prompt_lens: Sequ
     lens = torch.as_tensor(list(prompt_lens), device=input_ids.device)
     if bool((lens < 1).any()) or bool((lens > real.sum(dim=1)).any()):
         raise InputError(f"prompt lengths {list(prompt_lens)} must be from 1 to each row's token count")
-    hidden = _final_hidden(arch, input_ids, positions, lens, list(layer_sets or []), adapter_at=adapter_at)
+    hidden = _final_hidden(arch, input_ids, positions, lens, list(layer_sets or []), adapter_gate=adapter_gate)
     if logits_at is not None:
         return arch.head(hidden[logits_at.bool()])
     return arch.head(hidden)

@@ -376,11 +376,11 @@ def distill_kl(logq: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torc
     return (kl_top + log_rest_p.exp() * (log_rest_p - log_rest_q)).mean()
 
 
-def skipdecode_loss(arch, batch: dict, layer_sets, kl_weight: float, adapter_at=None):
+def skipdecode_loss(arch, batch: dict, layer_sets, kl_weight: float, adapter_gate=None):
     """(loss, LM loss, KL) of the skipping model on the batch's continuations."""
     logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"], layer_sets,
                                          attention_mask=batch["attention_mask"], logits_at=batch["logits_at"],
-                                         adapter_at=adapter_at)
+                                         adapter_gate=adapter_gate)
     logq = torch.log_softmax(logits.float(), dim=-1)
     lm = F.nll_loss(logq, batch["targets"])
     kl = distill_kl(logq, batch["teacher_logp"], batch["teacher_ids"]) if kl_weight > 0 else lm.new_zeros(())
@@ -470,7 +470,7 @@ class SkippingGate:
     """Applies a peft LoRA model's delta only where a step skips at least ``min_skipped`` layers, as a
     skip-only adapter is served.
 
-    ``teacher_forced``'s ``adapter_at``: told how many layers each slot's step skips
+    ``teacher_forced``'s ``adapter_gate``: told how many layers each slot's step skips
     (``[B, T]``), a forward hook zeroes each ``lora_B`` output elsewhere; ``None``
     applies it everywhere.
     """
