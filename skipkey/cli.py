@@ -24,7 +24,7 @@ from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecodeSpec
 def add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", default="embedded",
                    help="'embedded' (Gemma 3 270M, default), a Hugging Face id, a local directory, "
-                        "or random:SHAPE (opt-125m, opt-1.3b, opt-6.7b, llama-68m, llama-mha-350m, llama-7b) "
+                        "or random:NAME (opt-125m, opt-1.3b, opt-6.7b, llama-68m, llama-mha-350m, llama-7b) "
                         "for speed only")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, measured best on CPU)")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from skipkey.kv.policies import KV_POLICIES
-from skipkey.core.tiny import SHAPES
+from skipkey.core.random_models import RANDOM_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "assets" / "results" / "gpu.sh"
@@ -51,10 +51,10 @@ def test_the_gpu_run_asks_for_what_the_issue_asks():
 
 def test_the_big_shapes_are_the_published_ones():
     """Never built here (tens of GB): their configs are checked instead."""
-    family, opt = SHAPES["opt-6.7b"]
+    family, opt = RANDOM_MODELS["opt-6.7b"]
     assert family == "opt" and (opt["hidden_size"], opt["ffn_dim"], opt["num_hidden_layers"],
                                 opt["num_attention_heads"], opt["vocab_size"]) == (4096, 16384, 32, 32, 50272)
-    family, llama = SHAPES["llama-7b"]
+    family, llama = RANDOM_MODELS["llama-7b"]
     assert family == "llama" and (llama["hidden_size"], llama["intermediate_size"], llama["num_hidden_layers"],
                                   llama["num_attention_heads"], llama["vocab_size"]) == (4096, 11008, 32, 32, 32000)
     assert llama["max_position_embeddings"] >= 4096 + 256

@@ -17,8 +17,8 @@ PACKAGE = ROOT / "skipkey"
 # Bottom to top, in the order data flows (docs/architecture.md's module table follows it).
 # A module may import only the modules listed before it.
 LAYERS = (
-    "errors", "__init__", "config", "provenance", "quality.prompts", "core.offload", "core.loading", "core.tiny",
-    "core.kernels", "core.attention", "core.cache", "core.architectures", "core.importance", "core.retention",
+    "errors", "__init__", "config", "provenance", "quality.prompts", "core.offload", "core.loading",
+    "core.random_models", "core.tiny", "core.kernels", "core.attention", "core.cache", "core.architectures", "core.importance", "core.retention",
     "core.engine", "core.trace", "kv.noise", "kv.scoring", "kv.budgets", "kv.policies", "skipdecode.schedules",
     "skipdecode.plan", "quality.metrics", "quality.figures", "quality.teacher_forced", "skipdecode.adapter", "models",
     "quality.bench", "quality.evaluate", "training.shapes", "training.finetune", "serving.app_logic", "cli",
@@ -100,15 +100,26 @@ def test_modules_import_only_downward(graph):
     assert not upward, upward
 
 
+def reachable(graph, start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph.get(module, ())
+    return seen
+
+
 def test_serving_never_imports_training_or_evaluation(graph):
     for start in SERVING:
-        seen, todo = set(), [start]
-        while todo:
-            module = todo.pop()
-            if module not in seen:
-                seen.add(module)
-                todo += graph.get(module, ())
+        seen = reachable(graph, start)
         assert not seen & TRAINING_AND_EVALUATION, f"{start} reaches {sorted(seen & TRAINING_AND_EVALUATION)}"
+
+
+def test_the_cli_and_the_app_never_import_the_test_fixtures(graph):
+    """``core.tiny`` is for tests; the CLI's random models (``random:opt-1.3b``) are ``core.random_models``."""
+    for start in ("skipkey.cli", "skipkey.models", "app"):
+        assert "skipkey.core.tiny" not in reachable(graph, start), start
 
 
 def test_the_architecture_table_lists_every_module_in_layer_order():

@@ -265,7 +265,7 @@ def load_model(
 
 def place(loaded: LoadedModel, device_map: str | dict, max_memory: str | dict | None = None,
           offload_dir: str | Path | None = None) -> LoadedModel:
-    """A model built in memory (``random:SHAPE``, a tiny test model), placed by accelerate under a device map.
+    """A model built in memory (``random:NAME``, a tiny test model), placed by accelerate under a device map.
 
     The model is dispatched in place (its offloaded weights leave memory); the
     returned ``LoadedModel`` says where its inputs go and how it was placed.

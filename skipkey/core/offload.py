@@ -2,7 +2,7 @@
 
 The placement is always accelerate's own. A model read from files is placed by
 transformers' ``from_pretrained(device_map=..., max_memory=..., offload_folder=...)``
-(``skipkey.core.loading``); a model built in memory (``random:SHAPE``, the tests' tiny
+(``skipkey.core.loading``); a model built in memory (``random:NAME``, the tests' tiny
 models) by ``accelerate.infer_auto_device_map`` and ``dispatch_model`` (``dispatch``).
 Either way accelerate hooks each module: an ``AlignDevicesHook`` moves a module's
 inputs to its execution device and, for an offloaded module, loads its weights

@@ -1,13 +1,13 @@
-"""Tiny random-weight models of every supported family, built in code.
+"""Tiny random-weight models of every supported family, built in code: test fixtures.
 
-Tests, the app's tests and speed benchmarks use these instead of downloads:
-correctness and speed do not depend on the weight values.
+Tests and the app's tests use these instead of downloads: correctness does not
+depend on the weight values. The CLI never imports this module; its random models
+shaped like published ones are ``skipkey.core.random_models``.
 """
 
 from __future__ import annotations
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -18,25 +18,9 @@ from transformers import (
     Qwen2Config,
 )
 
+from skipkey.core.random_models import byte_tokenizer
+
 FAMILIES = ("llama", "qwen2", "mistral", "gemma3", "opt")
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer with no merges: 256 byte tokens plus pad, bos and eos.
-
-    Every string round-trips, which is all the engine's tests need.
-    """
-    vocab = {ch: i for i, ch in enumerate(SPECIAL_TOKENS)}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
-    )
-    return tokenizer
 
 
 def tiny_config(family: str, *, num_layers: int = 6, vocab_size: int = 259, sliding_window: int | None = 8,
@@ -94,46 +78,3 @@ def tiny_model(family: str = "llama", *, seed: int = 0, dtype: torch.dtype = tor
     device = torch.device(device)
     model.to(device)
     return LoadedModel(model=model, tokenizer=byte_tokenizer(), name=f"tiny-{family}", device=device, dtype=dtype)
-
-
-# Random-weight models shaped like published ones, for speed benchmarks: a step's cost
-# depends on the shapes, not on the weight values.
-SHAPES = {
-    # Small published shapes: the GPU check's dry run (CI) runs its benchmarks on these.
-    "opt-125m": ("opt", dict(hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12,
-                             vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=768)),
-    "llama-68m": ("llama", dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2,
-                                num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
-                                max_position_embeddings=2048)),
-    "opt-1.3b": ("opt", dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24, num_attention_heads=32,
-                             vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048)),
-    "opt-6.7b": ("opt", dict(hidden_size=4096, ffn_dim=16384, num_hidden_layers=32, num_attention_heads=32,
-                             vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=4096)),
-    # Multi-head attention with a small MLP: attention over a long cache is a real share of each step.
-    "llama-mha-350m": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-                                     num_attention_heads=16, num_key_value_heads=16, vocab_size=32000,
-                                     max_position_embeddings=16384)),
-    "llama-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                               max_position_embeddings=16384)),
-}
-
-
-def shaped_model(shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
-    """A ``LoadedModel`` with random weights in the shape of ``shape`` (see ``SHAPES``)."""
-    from skipkey.errors import InputError
-    from skipkey.core.loading import LoadedModel
-
-    if shape not in SHAPES:
-        raise InputError(f"unknown random model shape {shape!r}; choose one of {', '.join(SHAPES)}")
-    family, kwargs = SHAPES[shape]
-    config_cls = {"opt": OPTConfig, "llama": LlamaConfig}[family]
-    config = config_cls(pad_token_id=0, bos_token_id=1, eos_token_id=2, **kwargs)
-    torch.manual_seed(seed)
-    device = torch.device(device)
-    with device:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
-    model.requires_grad_(False)
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = 2
-    return LoadedModel(model=model, tokenizer=byte_tokenizer(), name=f"random:{shape}", device=device, dtype=dtype)
