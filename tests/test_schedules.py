@@ -15,20 +15,16 @@ from skipkey.skipdecode.schedules import (
     PAPER_SHAPE,
     SCHEDULE_KINDS,
     ConstantSchedule,
-    ImportanceLayers,
     LinearSchedule,
     PowerLawSchedule,
-    SkipPlan,
-    TopLayers,
-    compute_ratio,
     ScheduleShape,
     make_schedule,
     measured_best_shape,
-    nominal_speedup,
     schedule_for_target,
     shapes_from_json,
     shapes_to_json,
 )
+from skipkey.skipdecode.rankings import ImportanceLayers, SkipPlan, TopLayers, compute_ratio, nominal_speedup
 
 
 @st.composite

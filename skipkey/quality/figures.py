@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from skipkey.skipdecode.schedules import nominal_speedup
+from skipkey.skipdecode.rankings import nominal_speedup
 from skipkey.core.trace import Trace
 
 RAN, SKIPPED = "#2563eb", "#e5e7eb"

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from skipkey.skipdecode.schedules import compute_ratio, nominal_speedup
+from skipkey.skipdecode.rankings import compute_ratio, nominal_speedup
 from skipkey.core.trace import Trace
 
 

@@ -13,15 +13,8 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from skipkey.errors import InputError
-from skipkey.skipdecode.schedules import (
-    ImportanceLayers,
-    Schedule,
-    SkipPlan,
-    TopLayers,
-    ScheduleSpec,
-    measured_best_shape,
-    schedule_for_target,
-)
+from skipkey.skipdecode.schedules import Schedule, ScheduleSpec, measured_best_shape, schedule_for_target
+from skipkey.skipdecode.rankings import ImportanceLayers, SkipPlan, TopLayers
 
 LAYER_POLICIES = ("top", "importance")
 

@@ -1,8 +1,9 @@
-"""SkipDecode: how many layers each generation step runs, and which ones.
+"""SkipDecode's schedules: how many layers each generation step runs, ``b(t)``, and the measured shapes.
 
 SkipDecode (Del Corro et al. 2023, arXiv 2307.02628) gives every step ``t`` one
-layer set ``E(t)``, shared by the whole batch. A *schedule* says how many layers
-run, ``b(t)``; a *policy* says which ones; a ``SkipPlan`` joins the two.
+layer set ``E(t)``, shared by the whole batch. A *schedule* (here) says how many
+layers run, ``b(t)``; a layer *policy* (``skipkey.skipdecode.rankings``) says which
+ones; a ``SkipPlan`` joins the two.
 
 Every schedule here is non-increasing in ``t`` and every policy takes a prefix of
 one fixed order of layers, so ``E(t+1)`` is a subset of ``E(t)``. That nesting is
@@ -20,10 +21,10 @@ import json
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from skipkey.config import is_int, require_int
+from skipkey.config import require_int
 from skipkey.errors import InputError
 
 SCHEDULE_KINDS = ("linear", "power", "constant")
@@ -195,193 +196,6 @@ class ConstantSchedule:
 Schedule = LinearSchedule | PowerLawSchedule | ConstantSchedule
 
 
-def _check_depth(policy: TopLayers | ImportanceLayers, depth: int) -> None:
-    low, high = policy.depth_range
-    _require_int(f"depth (layers a step runs) for {policy.describe()}", depth, low, high)
-
-
-@dataclass(frozen=True)
-class TopLayers:
-    """The paper's policy: skip lower and middle layers, keep the top ones.
-
-    ``E = {0..w-1} ∪ {L-(b-w) .. L-1}``: ``w`` bottom warm-up layers always run
-    (``w = 1`` is our choice), then the top ``b - w``.
-    """
-
-    num_layers: int
-    warmup: int = 1
-
-    def __post_init__(self) -> None:
-        _require_int("num_layers", self.num_layers, 1)
-        _check_warmup(self.warmup, self.num_layers)
-
-    @property
-    def depth_range(self) -> tuple[int, int]:
-        return self.warmup + 1, self.num_layers
-
-    def layers(self, depth: int) -> tuple[int, ...]:
-        _check_depth(self, depth)
-        first_top = self.num_layers - (depth - self.warmup)
-        return (*range(self.warmup), *range(first_top, self.num_layers))
-
-    def describe(self) -> str:
-        return f"top layers with warm-up {self.warmup} of {self.num_layers}"
-
-
-@dataclass(frozen=True)
-class ImportanceLayers:
-    """Training-free variant: drop the least important layers first.
-
-    Not the paper's policy (it fine-tunes the model with ``TopLayers``). Off-the-shelf
-    weights degrade far less when the dropped layers are those that change the
-    hidden state least (``skipkey.core.importance.layer_importance``), with the first and last pinned.
-    ``pinned`` layers always run; ``ranking`` lists every other layer, most
-    important first, and a depth ``b`` runs its first ``b - len(pinned)``. Any
-    fixed ranking keeps ``E(t)`` nested, so the cache invariant holds.
-    """
-
-    ranking: tuple[int, ...]
-    pinned: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ranking", tuple(self.ranking))
-        object.__setattr__(self, "pinned", tuple(self.pinned))
-        every = (*self.pinned, *self.ranking)
-        if not every or not all(map(is_int, every)) or sorted(every) != list(range(len(every))):
-            raise InputError(
-                f"pinned {self.pinned} and ranking {self.ranking} must together name every "
-                f"layer 0 to {len(every) - 1} exactly once"
-            )
-
-    @classmethod
-    def from_scores(
-        cls, scores: Sequence[float], pinned: Sequence[int] | None = None
-    ) -> ImportanceLayers:
-        """Rank layers by ``scores[l]`` (higher = more important; ties: lower layer first).
-
-        ``pinned`` defaults to the first and last layer.
-        """
-        num_layers = len(scores)
-        _require_int("number of layer scores", num_layers, 1)
-        values = [float(s) for s in scores]
-        if not all(map(math.isfinite, values)):
-            raise InputError(f"layer scores must be finite numbers, got {values}")
-        if pinned is None:
-            pinned = (0, num_layers - 1)
-        for layer in pinned:
-            _require_int("pinned layer", layer, 0, num_layers - 1)
-        kept = tuple(sorted(set(pinned)))
-        ranking = sorted(
-            (layer for layer in range(num_layers) if layer not in kept),
-            key=lambda layer: (-values[layer], layer),
-        )
-        return cls(ranking=tuple(ranking), pinned=kept)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.ranking) + len(self.pinned)
-
-    @property
-    def depth_range(self) -> tuple[int, int]:
-        return max(1, len(self.pinned)), self.num_layers
-
-    def layers(self, depth: int) -> tuple[int, ...]:
-        _check_depth(self, depth)
-        return tuple(sorted((*self.pinned, *self.ranking[: depth - len(self.pinned)])))
-
-    def describe(self) -> str:
-        return f"importance-ranked layers, pinned {self.pinned}, of {self.num_layers}"
-
-
-LayerPolicy = TopLayers | ImportanceLayers
-
-
-def _executed(layer_sets: Sequence[Sequence[int]]) -> int:
-    if len(layer_sets) == 0:
-        raise InputError("need at least one generation step to compute a speedup")
-    executed = sum(len(layers) for layers in layer_sets)
-    if executed == 0:
-        raise InputError("no layer ran in any step; every step runs at least one layer")
-    return executed
-
-
-def nominal_speedup(layer_sets: Sequence[Sequence[int]], num_layers: int) -> float:
-    """Speedup of the layer stack alone: ``L * N / sum_t |E(t)|``."""
-    return num_layers * len(layer_sets) / _executed(layer_sets)
-
-
-def compute_ratio(
-    layer_sets: Sequence[Sequence[int]], num_layers: int, layer_cost: float, fixed_cost: float
-) -> float:
-    """End-to-end compute ratio, full model over skipping, per generated token.
-
-    ``fixed_cost`` is what runs at every step whatever is skipped (embedding, final
-    norm, LM head), in the same unit as ``layer_cost`` (e.g. FLOPs or parameters
-    read). It is why the real ratio sits below the nominal speedup.
-    """
-    if not (layer_cost > 0 and fixed_cost >= 0):
-        raise InputError(
-            f"layer_cost must be > 0 and fixed_cost >= 0, got {layer_cost!r} and {fixed_cost!r}"
-        )
-    n_steps = len(layer_sets)
-    skipping = _executed(layer_sets) * layer_cost + n_steps * fixed_cost
-    return n_steps * (num_layers * layer_cost + fixed_cost) / skipping
-
-
-@dataclass(frozen=True)
-class SkipPlan:
-    """A schedule and a policy for one model: ``E(t) = policy.layers(schedule.depth(t))``."""
-
-    schedule: Schedule
-    policy: LayerPolicy
-    num_layers: int
-    _by_depth: dict[int, tuple[int, ...]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        _require_int("num_layers", self.num_layers, 1)
-        self.schedule.validate(self.num_layers)
-        if self.policy.num_layers != self.num_layers:
-            raise InputError(
-                f"the layer policy is for {self.policy.num_layers} layers, "
-                f"the model has {self.num_layers}"
-            )
-        low, high = self.policy.depth_range
-        if not low <= self.schedule.b_min <= self.schedule.b_max <= high:
-            raise InputError(
-                f"{self.policy.describe()} runs {low} to {high} layers a step, "
-                f"but the schedule ({self.schedule.describe()}) asks for "
-                f"{self.schedule.b_min} to {self.schedule.b_max}"
-            )
-        if isinstance(self.policy, TopLayers) and self.policy.warmup != self.schedule.warmup:
-            raise InputError(
-                f"the schedule's warm-up ({self.schedule.warmup}) and the policy's "
-                f"({self.policy.warmup}) must be the same"
-            )
-
-    def layer_set(self, t: int) -> tuple[int, ...]:
-        """``E(t)``, the layers step ``t`` runs, ascending."""
-        depth = self.schedule.depth(t)
-        layers = self._by_depth.get(depth)
-        if layers is None:
-            layers = self._by_depth[depth] = self.policy.layers(depth)
-        return layers
-
-    def layer_sets(self, n_steps: int) -> list[tuple[int, ...]]:
-        _require_int("n_steps", n_steps, 1)
-        return [self.layer_set(t) for t in range(n_steps)]
-
-    def nominal_speedup(self, n_steps: int) -> float:
-        return nominal_speedup(self.layer_sets(n_steps), self.num_layers)
-
-    def compute_ratio(self, n_steps: int, layer_cost: float, fixed_cost: float) -> float:
-        return compute_ratio(self.layer_sets(n_steps), self.num_layers, layer_cost, fixed_cost)
-
-
 def _check_kind(kind: str) -> None:
     if kind not in SCHEDULE_KINDS:
         raise InputError(f"schedule kind must be one of {', '.join(SCHEDULE_KINDS)}; got {kind!r}")
@@ -508,6 +322,8 @@ class ScheduleShape:
 
 
 PAPER_SHAPE = ScheduleShape("linear", warmup=1, top=1.0, floor=0.0)  # b_max = L, the lowest b_min that reaches
+
+
 def measured_best_shape(target: float, policy: str = "top",
                         table: dict[str, Sequence[tuple[float, ScheduleShape]]] | None = None) -> ScheduleShape:
     """The measured-best shape for ``target`` under layer ``policy``: from ``table`` (e.g. the shapes an adapter
