@@ -1,4 +1,4 @@
-"""KV budgets per row, and the retention an evicting policy hands the engine (``KVPolicy.retention``).
+"""The KV budget's one unit (``parse_budget``), budgets per row, and the retention an evicting policy hands the engine (``KVPolicy.retention``).
 
 Storage is sized here, once: an evicting layer holds its budget plus the
 eviction interval (the slots the next tokens are written into); an appending
@@ -7,9 +7,37 @@ layer (one the budget never binds) holds the prompt plus every token still to co
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+from skipkey.config import is_int
+from skipkey.errors import InputError
+
+
+def parse_budget(value) -> float | int:
+    """The one unit of a KV budget: a fraction of the prompt (a float in (0, 1]) or a token count (an int above 1).
+
+    Text (the CLI's) is read as an int where it is one (``"256"``), else as a float. A
+    whole float above 1 is refused rather than read as tokens: ``2.0`` is what a
+    percentage of 200 becomes, never a count. The int 1 is the whole prompt.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = int(text) if text.lstrip("+-").isdigit() else float(text)
+        except ValueError:
+            raise InputError(f"KV budget must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real)) or not math.isfinite(value):
+        raise InputError(f"KV budget must be a number, got {value!r}")
+    if 0 < value <= 1:
+        return float(value)
+    if is_int(value) and value > 1:
+        return int(value)
+    raise InputError(f"KV budget {value} is invalid: use a fraction of the prompt in (0, 1] (0.5 = half) "
+                     f"or a whole number of tokens above 1 (e.g. 256)")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -23,9 +22,9 @@ import torch.nn.functional as F
 
 from skipkey.core import kernels
 from skipkey.core.retention import Appending, Retention
-from skipkey.config import is_int, require_float, require_int
+from skipkey.config import require_float, require_int
 from skipkey.errors import InputError
-from skipkey.kv.budgets import Budgets, Evicting
+from skipkey.kv.budgets import Budgets, Evicting, parse_budget
 from skipkey.kv.scoring import ScoreContribution
 
 SINK_TOKENS = 4  # StreamingLLM's attention sinks
@@ -33,29 +32,6 @@ SINK_TOKENS = 4  # StreamingLLM's attention sinks
 # (README, "Query-aware key tokens"); the dataclass defaults stay the paper's.
 RECOMMENDED_OPTIONS = {"observe": 8, "pool": 7}
 _PROTECTED = torch.finfo(torch.float32).max  # the recent window (and sinks): evicted only past the budget
-
-
-def parse_budget(value) -> float | int:
-    """The one unit of a KV budget: a fraction of the prompt (a float in (0, 1]) or a token count (an int above 1).
-
-    Text (the CLI's) is read as an int where it is one (``"256"``), else as a float. A
-    whole float above 1 is refused rather than read as tokens: ``2.0`` is what a
-    percentage of 200 becomes, never a count. The int 1 is the whole prompt.
-    """
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            value = int(text) if text.lstrip("+-").isdigit() else float(text)
-        except ValueError:
-            raise InputError(f"KV budget must be a number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real)) or not math.isfinite(value):
-        raise InputError(f"KV budget must be a number, got {value!r}")
-    if 0 < value <= 1:
-        return float(value)
-    if is_int(value) and value > 1:
-        return int(value)
-    raise InputError(f"KV budget {value} is invalid: use a fraction of the prompt in (0, 1] (0.5 = half) "
-                     f"or a whole number of tokens above 1 (e.g. 256)")
 
 
 @dataclass(frozen=True)
