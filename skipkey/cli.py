@@ -1,7 +1,7 @@
 """``python -m skipkey``: generate, bench, eval, finetune.
 
-Arguments are turned into validated configs once, here; errors print one line
-and exit with status 2.
+Arguments are turned into validated configs once (the shared options and their
+readers are ``skipkey.options``); errors print one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -12,153 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps
+from skipkey.config import GenerationSettings, decode_steps
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv.policies import KV_POLICIES, KVSpec, parse_budget, parse_policy_spec, policy_options
+from skipkey.kv.policies import KV_POLICIES
+from skipkey.options import (add_adapter_arg, add_generation_args, add_method_args, add_model_args,
+                             add_placement_args, adapter_schedule_from, check_methods_early, kv_policy_from,
+                             methods_from, placement_from, settings_from)
 from skipkey.skipdecode.adapter import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS
-from skipkey.skipdecode.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecodeSpec
-
-
-# -- shared options -------------------------------------------------------------
-def add_model_args(p: argparse.ArgumentParser):
-    p.add_argument("--model", default="embedded",
-                   help="'embedded' (Gemma 3 270M, default), a Hugging Face id, a local directory, "
-                        "or random:NAME (opt-125m, opt-1.3b, opt-6.7b, llama-68m, llama-mha-350m, llama-7b) "
-                        "for speed only")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, measured best on CPU)")
-
-
-def add_placement_args(p: argparse.ArgumentParser):
-    """A model larger than one device, placed by accelerate; ``placement_from`` reads these."""
-    g = p.add_argument_group("Larger models (accelerate device maps, CPU and disk offload)")
-    g.add_argument("--device-map", default=None, metavar="auto|JSON",
-                   help="place the model with accelerate instead of --device: 'auto' (GPUs, then the CPU, then "
-                        "the disk), balanced, sequential, or a JSON object of module name -> GPU index/cpu/disk")
-    g.add_argument("--max-memory", default=None, metavar="DEVICE:SIZE,...",
-                   help="what --device-map may use per device, e.g. '0:20GiB,cpu:40GiB'; the rest goes to disk")
-    g.add_argument("--offload-dir", default=None, metavar="DIR",
-                   help="where weights offloaded to the disk are written (a safetensors checkpoint is read "
-                        "in place); must be writable")
-
-
-def placement_from(args) -> dict:
-    return dict(device_map=args.device_map, max_memory=args.max_memory, offload_dir=args.offload_dir)
-
-
-def add_adapter_arg(p: argparse.ArgumentParser, help: str):
-    p.add_argument("--adapter", default=None, metavar="DIR", help=help)
-
-
-def add_generation_args(p: argparse.ArgumentParser, default_tokens: int = 64):
-    p.add_argument("--max-new-tokens", type=int, default=default_tokens, help=f"1..{MAX_NEW_TOKENS_CAP}")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="seeds sampling and Keyformer's noise")
-
-
-def add_method_args(p: argparse.ArgumentParser):
-    """The SkipDecode and KV options; ``skipdecode_from`` and ``kv_policy_from`` read them."""
-    g = p.add_argument_group("SkipDecode")
-    g.add_argument("--skip-target", type=float, default=None,
-                   help="target nominal speedup of the layer stack (e.g. 2.0); picks the schedule")
-    g.add_argument("--skip-schedule", choices=SCHEDULE_KINDS, default=None,
-                   help="the schedule's kind (default: with --skip-target, the measured-best shape's; else linear)")
-    g.add_argument("--skip-max", type=int, default=None, help="b_max: layers run by the first step")
-    g.add_argument("--skip-min", type=int, default=None, help="b_min: the floor")
-    g.add_argument("--skip-horizon", type=int, default=None, help="decay horizon T in steps")
-    g.add_argument("--skip-layers", type=int, default=None, help="layers per step (constant schedule)")
-    g.add_argument("--skip-warmup", type=int, default=None,
-                   help="bottom layers that always run (default: the measured-best shape's with --skip-target, else 1)")
-    g.add_argument("--skip-exponent", type=float, default=None, help="power-law exponent (default 2)")
-    g.add_argument("--skip-hold", type=int, default=None,
-                   help="steps at b_max before the decay starts (default 0; with --skip-target, the shape's)")
-    g.add_argument("--skip-policy", choices=LAYER_POLICIES, default=None,
-                   help="which layers run (default: the --adapter's, else top, the paper's)")
-    g = p.add_argument_group("KV cache (Keyformer and baselines)")
-    g.add_argument("--kv-policy", choices=list(KV_POLICIES), default=None)
-    g.add_argument("--kv-budget", default="0.5",
-                   help="fraction of the prompt in (0, 1], or a whole number of tokens above 1")
-    g.add_argument("--kv-recent", type=float, default=0.3, help="share of the budget kept for recent tokens")
-    g.add_argument("--kv-evict-every", type=int, default=1,
-                   help="evict every N steps (1: the paper); the cache then holds up to budget + N - 1")
-    g.add_argument("--tau-init", type=float, default=None, help="keyformer: Gumbel temperature at the first step (1)")
-    g.add_argument("--tau-end", type=float, default=None, help="keyformer: temperature at the last step (2)")
-    g.add_argument("--kv-observe", type=int, default=None,
-                   help="h2o/keyformer/snapkv: score the prompt from its last W queries only (0: all, the paper)")
-    g.add_argument("--kv-pool", type=int, default=None,
-                   help="h2o/keyformer/snapkv: max-pool prompt scores over K positions, keeping items whole")
-    g.add_argument("--kv-normalize", action="store_true", default=None,
-                   help="h2o/keyformer: divide each score by the number of queries that could see the token")
-
-
-def settings_from(args) -> GenerationSettings:
-    return GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
-                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-
-
-def skip_requested(args) -> bool:
-    return args.skip_target is not None or any(
-        v is not None for v in (args.skip_max, args.skip_min, args.skip_horizon, args.skip_layers, args.skip_hold))
-
-
-def adapter_schedule_from(args) -> tuple[str, dict | None]:
-    """(layer policy, shape table): ``--skip-policy`` over the ``--adapter``'s; a target under the adapter's
-    policy uses the shapes it was trained with (other policies, ``MEASURED_SHAPES``)."""
-    if getattr(args, "adapter", None):
-        from skipkey.skipdecode.adapter import adapter_schedule, read_metadata
-
-        policy, shapes = adapter_schedule(read_metadata(args.adapter))
-        return args.skip_policy or policy, shapes
-    return args.skip_policy or "top", None
-
-
-def skipdecode_from(args, num_layers: int, max_new_tokens: int):
-    """The SkipDecode config the options describe."""
-    policy, shapes = adapter_schedule_from(args)
-    spec = SkipDecodeSpec(target=args.skip_target, shapes=shapes, kind=args.skip_schedule, policy=policy,
-                          b_max=args.skip_max, b_min=args.skip_min, horizon=args.skip_horizon,
-                          warmup=args.skip_warmup, exponent=args.skip_exponent, layers=args.skip_layers,
-                          hold=args.skip_hold)
-    return spec.build(num_layers, decode_steps(max_new_tokens))
-
-
-def kv_policy_from(args, spec: str | None = None, *, strict: bool = True):
-    """The KV policy ``spec`` (default: ``--kv-policy``) with the KV options.
-
-    A spec may carry its own options (``keyformer:observe=64,pool=7``), which win over
-    the flags. ``strict`` refuses a flag the policy has no use for; comparisons of
-    several policies apply each flag to the policies that have it.
-    """
-    name, own = parse_policy_spec(spec or args.kv_policy)
-    flags = dict(tau_init=args.tau_init, tau_end=args.tau_end, observe=args.kv_observe, pool=args.kv_pool,
-                 normalize=args.kv_normalize)
-    if not strict:
-        flags = {k: v for k, v in flags.items() if k in policy_options(name)}
-    every = own.pop("evict_every", args.kv_evict_every)
-    budget = own.pop("budget", args.kv_budget)
-    return KVSpec(name, parse_budget(budget), args.kv_recent, seed=args.seed, evict_every=every,
-                  options={**flags, **own}).build()
-
-
-def methods_from(args, num_layers: int, max_new_tokens: int):
-    """(SkipDecode or None, KV policy or None) from the options."""
-    skip = skipdecode_from(args, num_layers, max_new_tokens) if skip_requested(args) else None
-    kv = kv_policy_from(args) if args.kv_policy is not None else None
-    return skip, kv
-
-
-def check_methods_early(args):
-    """Refuse impossible method options before spending a minute loading a model."""
-    if args.skip_target is not None and args.skip_target < 1:
-        raise InputError(f"--skip-target must be at least 1 (a speedup), got {args.skip_target}")
-    if args.kv_policy is not None:
-        kv_policy_from(args)
-    for spec in getattr(args, "compare_kv", []):
-        kv_policy_from(args, spec, strict=False)
 
 
 # -- commands -------------------------------------------------------------------
