@@ -12,12 +12,11 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-from skipkey.core import loading  # noqa: E402
+from skipkey.core import embedded, loading  # noqa: E402
 from skipkey.errors import InputError, ModelLoadError  # noqa: E402
+from skipkey.core.embedded import cache_root, embedded_model_dir  # noqa: E402
 from skipkey.core.loading import (  # noqa: E402
     EMBEDDED,
-    cache_root,
-    embedded_model_dir,
     load_model,
     resolve_device,
     resolve_dtype,
@@ -178,10 +177,10 @@ def test_concurrent_callers_convert_once(monkeypatch, tmp_path):
         calls.append(target)
         time.sleep(0.3)
         target.mkdir()
-        for file in loading._DENSE_FILES:
+        for file in embedded._DENSE_FILES:
             (target / file).write_text("{}")
 
-    monkeypatch.setattr(loading, "_convert_embedded", fake_convert)
+    monkeypatch.setattr(embedded, "_convert_embedded", fake_convert)
     results = []
     threads = [
         threading.Thread(target=lambda: results.append(embedded_model_dir(tmp_path, progress=False)))
@@ -239,7 +238,7 @@ def test_embedded_model(monkeypatch):
     # A second load reads the cached dense copy: it must not convert again (speed is for benchmarks).
     stamp = (embedded_model_dir() / "model.safetensors").stat().st_mtime_ns
     converted = []
-    monkeypatch.setattr(loading, "_convert_embedded", lambda *a, **k: converted.append(a))
+    monkeypatch.setattr(embedded, "_convert_embedded", lambda *a, **k: converted.append(a))
     default = load_model(EMBEDDED, device="cpu", progress=False)
     assert not converted and (embedded_model_dir() / "model.safetensors").stat().st_mtime_ns == stamp
     assert default.dtype is loading.cpu_default_dtype()
