@@ -6,8 +6,8 @@ import pytest
 
 from skipkey.quality import evaluate
 from skipkey.errors import InputError
-from skipkey.quality.evaluate import (EvalConfig, accuracy_figure, kv_configs, retrieval, retrieval_rows, retrieval_table,
-                              wilson_interval)
+from skipkey.quality.evaluate import EvalConfig, RetrievalSet, kv_configs, retrieval
+from skipkey.quality.report import accuracy_figure, retrieval_rows, retrieval_table, wilson_interval
 
 
 @pytest.mark.parametrize("hits, n, low, high", [
@@ -55,12 +55,12 @@ def tiny_gemma(tiny_models):
 @pytest.fixture(scope="module")
 def shared_records(tiny_gemma):
     configs = kv_configs(tiny_gemma.num_layers, SPECS, [0.3, 0.6], 0, 16)
-    return configs, retrieval(tiny_gemma, configs, [640], 3, 0, lambda msg: None)
+    return configs, retrieval(tiny_gemma, configs, RetrievalSet((640,), 3, 0), lambda msg: None)
 
 
 def test_a_shared_prompt_pass_gives_every_config_what_running_its_prompt_gives(tiny_gemma, shared_records):
     configs, shared = shared_records
-    alone = retrieval(tiny_gemma, configs, [640], 3, 0, lambda msg: None, share_prompt_pass=False)
+    alone = retrieval(tiny_gemma, configs, RetrievalSet((640,), 3, 0), lambda msg: None, share_prompt_pass=False)
     assert [r["family"] for r in shared] == ["passkey", "kv", "name"]
     for a, b in zip(shared, alone):
         assert a["outputs"] == b["outputs"] and a["hits"] == b["hits"]
@@ -80,12 +80,12 @@ def test_resuming_runs_only_what_is_missing(tiny_gemma, shared_records, monkeypa
     monkeypatch.setattr(evaluate, "decode_config", counting)
     saved = []
     more = configs + kv_configs(tiny_gemma.num_layers, ["h2o:pool=5"], [0.5], 0, 16, combined=False)[1:]
-    records = retrieval(tiny_gemma, more, [640], 3, 0, lambda msg: None, done=json.loads(json.dumps(shared)),
+    records = retrieval(tiny_gemma, more, RetrievalSet((640,), 3, 0), lambda msg: None, done=json.loads(json.dumps(shared)),
                         save=lambda r: saved.append(len(r)))
     assert ran == ["h2o:pool=5 50%"] * 3 and saved == [1, 2, 3]
     assert all(r["outputs"][c.label] == s["outputs"][c.label] for r, s in zip(records, shared) for c in configs)
     ran.clear()  # a task whose prompt changed (another seed) runs again in full
-    retrieval(tiny_gemma, configs[:2], [640], 1, 1, lambda msg: None, done=shared)
+    retrieval(tiny_gemma, configs[:2], RetrievalSet((640,), 1, 1), lambda msg: None, done=shared)
     assert ran == [c.label for c in configs[:2]]
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from skipkey.config import GenerationSettings, decode_steps
 from skipkey.errors import InputError
-from skipkey.quality.evaluate import (EvalConfig, decode_config, markdown_table, perplexity_and_accuracy, quality,
-                              write_json)
+from skipkey.quality.evaluate import EvalConfig, decode_config, perplexity_and_accuracy, quality
+from skipkey.quality.report import markdown_table, write_json
 from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata, record_serving_shapes, trained_schedule
 from skipkey.models import load
 from skipkey.quality.prompts import ORDINARY_PROMPTS
@@ -260,22 +260,27 @@ def _earlier(args, result: dict, log) -> tuple[list[dict], list[dict]]:
     return screened, confirmed
 
 
-def main(args) -> int:
-    """``python -m skipkey shapes``."""
+def _check_before_loading(args) -> None:
+    """Refuse options that cannot run before the model is read."""
     if not args.policies and not args.adapter:
         raise InputError("nothing to study: give --policies, --adapter, or both")
     if args.record and not args.adapter:
         raise InputError("--record writes the tuned winners into an adapter: give --adapter")
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
     if not 1 <= args.screen_prompts <= args.prompts <= len(ORDINARY_PROMPTS):
         raise InputError(f"need 1 <= --screen-prompts <= --prompts <= {len(ORDINARY_PROMPTS)} (the held-out "
                          f"prompts), got {args.screen_prompts} and {args.prompts}")
     unknown = [p for p in args.policies + (args.tuned_policies or []) if p not in LAYER_POLICIES]
     if unknown:
         raise InputError(f"unknown layer policies {unknown}; choose from {', '.join(LAYER_POLICIES)}")
+
+
+def main(args) -> int:
+    """``python -m skipkey shapes``."""
+    _check_before_loading(args)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
     loaded = load(args.model, args.device, args.dtype)
     models, policies, trained = {"untuned": loaded}, {"untuned": args.policies}, {}
     result = {"model": loaded.name, "dtype": str(loaded.dtype), "date": time.strftime("%Y-%m-%d"),
