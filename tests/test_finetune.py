@@ -371,7 +371,8 @@ def test_the_importance_policy_drops_each_batchs_least_important_layers_as_the_e
 
 def test_an_importance_adapter_trains_records_its_policy_and_the_cli_serves_it_so(cache, monkeypatch):
     import skipkey.training.finetune as finetune
-    from skipkey.cli import build_parser, skipdecode_from
+    from skipkey.cli import build_parser
+    from skipkey.options import skipdecode_from
     from skipkey.skipdecode.adapter import adapter_schedule, read_metadata
 
     lm = tiny_model("gemma3")
@@ -526,7 +527,8 @@ def test_cli_finetune_then_generate_and_bench_with_the_adapter(cache, capsys, mo
 
 
 def test_the_committed_adapter_round_trips_its_shapes_and_policy_and_the_cli_uses_them():
-    from skipkey.cli import build_parser, skipdecode_from
+    from skipkey.cli import build_parser
+    from skipkey.options import skipdecode_from
     from skipkey.skipdecode.adapter import adapter_schedule, read_metadata
     from skipkey.skipdecode.schedules import measured_best_shape, shapes_from_json, shapes_to_json
 
