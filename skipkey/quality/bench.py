@@ -168,6 +168,12 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
         if i >= warmup:
             log(f"  repeat {i - warmup + 1}/{repeats}: " + ", ".join(
                 f"{v.name} {v.samples[-1].speed.tokens_per_s:.1f} tok/s" for v in runs))
+    return {"batch": len(prompt_ids), "prompt_tokens": [len(p) for p in prompt_ids],
+            "max_new_tokens": settings.max_new_tokens, "repeats": repeats, "rows": summary_rows(runs)}
+
+
+def summary_rows(runs: list[Variant]) -> list[dict]:
+    """One row per variant: medians of its samples and its ratios to "full" and "generate"."""
     by_name = {v.name: v for v in runs}
     full_tps = by_name["full"].median("tokens_per_s") if "full" in by_name else None
     gen_tps = by_name["generate"].median("tokens_per_s") if "generate" in by_name else None
@@ -211,8 +217,7 @@ def run_bench(loaded, variants: list[tuple[str, Engine | None]], prompt_ids: lis
             "samples": [s.as_dict() for s in v.samples],
         }
         rows.append(row)
-    return {"batch": len(prompt_ids), "prompt_tokens": [len(p) for p in prompt_ids],
-            "max_new_tokens": settings.max_new_tokens, "repeats": repeats, "rows": rows}
+    return rows
 
 
 def format_table(result: dict) -> str:
