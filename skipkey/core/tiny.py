@@ -14,7 +14,6 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     OPTConfig,
-    PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
