@@ -1,2 +1,3 @@
 """KV-cache eviction: one small class per policy (Keyformer, H2O, TOVA, SnapKV, window,
-streaming), their scores and noise, and the budgets that hold each layer's cache."""
+streaming), the scores they compute and Keyformer's noise, the budget's one unit, and the
+retention each policy hands the engine to hold every layer's cache to its budget."""
