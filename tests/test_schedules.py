@@ -155,13 +155,13 @@ def test_importance_layers_keep_pinned_and_the_highest_scored(case):
     plan, scores = case
     if scores is None:
         return
-    pinned = set(plan.policy.pinned)
+    pinned = set(plan.order.pinned)
     for t in range(horizon_of(plan.schedule) + 2):
         running = set(plan.layer_set(t))
         assert pinned <= running
         free_running = running - pinned
         free_skipped = set(range(plan.num_layers)) - running
-        assert free_running == set(plan.policy.ranking[: len(free_running)])
+        assert free_running == set(plan.order.ranking[: len(free_running)])
         if free_running and free_skipped:
             assert min(scores[l] for l in free_running) >= max(scores[l] for l in free_skipped)
 

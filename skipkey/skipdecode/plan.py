@@ -42,13 +42,13 @@ class SkipDecode:
 
     def plan(self, num_layers: int, measured: Sequence[float] | None = None) -> SkipPlan:
         if self.policy == "top":
-            policy = TopLayers(num_layers, warmup=self.schedule.warmup)
+            order = TopLayers(num_layers, warmup=self.schedule.warmup)
         else:
             scores = self.importance if self.importance is not None else measured
             if scores is None:
                 raise InputError("the importance policy needs layer scores: calibrated, or measured on the prompt")
-            policy = ImportanceLayers.from_scores(scores)
-        return SkipPlan(self.schedule, policy, num_layers)
+            order = ImportanceLayers.from_scores(scores)
+        return SkipPlan(self.schedule, order, num_layers)
 
     def describe(self) -> str:
         return f"SkipDecode {self.schedule.describe()}, {self.policy} layers"

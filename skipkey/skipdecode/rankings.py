@@ -1,7 +1,7 @@
 """SkipDecode's layer policies (which layers a step runs), the ``SkipPlan`` that joins them to a schedule, and
 the speed-up arithmetic of layer sets.
 
-A policy takes a prefix of one fixed order of layers, so with a non-increasing
+A layer policy's *layer order* (``TopLayers``, ``ImportanceLayers``) takes a prefix of one fixed order of layers, so with a non-increasing
 schedule (``skipkey.skipdecode.schedules``) ``E(t+1)`` is a subset of ``E(t)``.
 """
 
@@ -16,9 +16,9 @@ from skipkey.errors import InputError
 from skipkey.skipdecode.schedules import Schedule, _check_warmup, _require_int
 
 
-def _check_depth(policy: TopLayers | ImportanceLayers, depth: int) -> None:
-    low, high = policy.depth_range
-    _require_int(f"depth (layers a step runs) for {policy.describe()}", depth, low, high)
+def _check_depth(order: TopLayers | ImportanceLayers, depth: int) -> None:
+    low, high = order.depth_range
+    _require_int(f"depth (layers a step runs) for {order.describe()}", depth, low, high)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class ImportanceLayers:
         return f"importance-ranked layers, pinned {self.pinned}, of {self.num_layers}"
 
 
-LayerPolicy = TopLayers | ImportanceLayers
+LayerOrder = TopLayers | ImportanceLayers  # a layer policy as an object: the order its prefixes come from
 
 
 def _executed(layer_sets: Sequence[Sequence[int]]) -> int:
@@ -151,10 +151,10 @@ def compute_ratio(
 
 @dataclass(frozen=True)
 class SkipPlan:
-    """A schedule and a policy for one model: ``E(t) = policy.layers(schedule.depth(t))``."""
+    """A schedule and a layer order for one model: ``E(t) = order.layers(schedule.depth(t))``."""
 
     schedule: Schedule
-    policy: LayerPolicy
+    order: LayerOrder
     num_layers: int
     _by_depth: dict[int, tuple[int, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -166,22 +166,22 @@ class SkipPlan:
     def validate(self) -> None:
         _require_int("num_layers", self.num_layers, 1)
         self.schedule.validate(self.num_layers)
-        if self.policy.num_layers != self.num_layers:
+        if self.order.num_layers != self.num_layers:
             raise InputError(
-                f"the layer policy is for {self.policy.num_layers} layers, "
+                f"the layer policy is for {self.order.num_layers} layers, "
                 f"the model has {self.num_layers}"
             )
-        low, high = self.policy.depth_range
+        low, high = self.order.depth_range
         if not low <= self.schedule.b_min <= self.schedule.b_max <= high:
             raise InputError(
-                f"{self.policy.describe()} runs {low} to {high} layers a step, "
+                f"{self.order.describe()} runs {low} to {high} layers a step, "
                 f"but the schedule ({self.schedule.describe()}) asks for "
                 f"{self.schedule.b_min} to {self.schedule.b_max}"
             )
-        if isinstance(self.policy, TopLayers) and self.policy.warmup != self.schedule.warmup:
+        if isinstance(self.order, TopLayers) and self.order.warmup != self.schedule.warmup:
             raise InputError(
                 f"the schedule's warm-up ({self.schedule.warmup}) and the policy's "
-                f"({self.policy.warmup}) must be the same"
+                f"({self.order.warmup}) must be the same"
             )
 
     def layer_set(self, t: int) -> tuple[int, ...]:
@@ -189,7 +189,7 @@ class SkipPlan:
         depth = self.schedule.depth(t)
         layers = self._by_depth.get(depth)
         if layers is None:
-            layers = self._by_depth[depth] = self.policy.layers(depth)
+            layers = self._by_depth[depth] = self.order.layers(depth)
         return layers
 
     def layer_sets(self, n_steps: int) -> list[tuple[int, ...]]:
