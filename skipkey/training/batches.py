@@ -20,7 +20,7 @@ from skipkey.training.recipe import FinetuneConfig
 
 def batch_importance(engine: Engine, data: dict, rows: list[int]) -> tuple[float, ...]:
     """The batch's layer importance, as the engine measures a batch's: one prompt pass of its prompts
-    (left-padded) through the full model, ``schedules.layer_importance`` per layer over their tokens."""
+    (left-padded) through the full model, ``skipkey.core.importance.layer_importance`` per layer over their tokens."""
     return engine.prompt_pass([data["prompt_ids"][r] for r in rows]).importance
 
 
