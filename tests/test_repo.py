@@ -61,3 +61,58 @@ def test_the_committed_adapter_is_small_and_says_how_it_was_made():
     # Served with its own shape study's winners, whose command the README quotes as well.
     assert meta["schedule"]["serving_shapes"]["importance"]
     assert meta["schedule"]["serving_shapes_from"]["command"] in (ROOT / "README.md").read_text()
+
+
+SCRIPT_SUFFIXES = {".py", ".sh", ".ipynb"}
+
+
+def test_no_script_lives_under_assets():
+    scripts = [p.relative_to(ROOT) for p in (ROOT / "assets").rglob("*") if p.suffix in SCRIPT_SUFFIXES]
+    assert not scripts, f"assets/ holds data only; move {scripts} to experiments/"
+
+
+def private_skipkey_names(source: str) -> list[str]:
+    """Underscore names an experiment takes from skipkey: ``from skipkey.x import _y``, and ``m._y`` on a module
+    imported from skipkey (``import skipkey.x as m``, ``from skipkey import x``)."""
+    import ast
+
+    found, modules = [], set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "skipkey":
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.append(f"{node.module}.{alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "skipkey":
+                    modules.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules:
+                found.append(ast.unparse(node))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_") \
+                and not node.value.startswith("__") and node.value.isidentifier():
+            found.append(repr(node.value))  # a private name reached by getattr/setattr
+    return found
+
+
+def test_experiments_use_only_public_api():
+    files = sorted((ROOT / "experiments").glob("*.py"))
+    assert len(files) >= 12
+    for path in files:
+        source = path.read_text()
+        assert "sys.path" not in source, f"{path.name} edits sys.path: run it as python -m experiments.{path.stem}"
+        assert not private_skipkey_names(source), (path.name, private_skipkey_names(source))
+
+
+def test_the_private_name_check_catches_what_it_must():
+    assert private_skipkey_names("from skipkey.kv.noise import _query_table")
+    assert private_skipkey_names("from skipkey.kv import noise\nnoise._query_table.cache_clear()")
+    assert private_skipkey_names("import skipkey.core.engine as e\ne._Retention")
+    assert private_skipkey_names("setattr(attention, '_attend_fused', f)")
+    assert not private_skipkey_names("from skipkey.kv import noise\nnoise.clear_tables()\nx = {}.__class__")
