@@ -167,3 +167,17 @@ def test_every_document_the_readme_links_exists_or_is_being_written():
     written_elsewhere = {"docs/architecture.md", "docs/results/exact.md", "docs/deploy.md"}  # by other branches
     missing = [path for path in linked - written_elsewhere if not (ROOT / path).exists()]
     assert not missing, missing
+
+
+def test_the_readme_cli_commands_parse():
+    """Each ``python -m skipkey`` line of the README is accepted by the CLI's parser (nothing is run)."""
+    import shlex
+
+    from skipkey.cli import build_parser
+
+    lines = [line for block in readme_commands() for line in block.splitlines()
+             if line.startswith("python -m skipkey ")]
+    assert len(lines) == 5
+    for line in lines:
+        words = shlex.split(line)[3:]
+        assert build_parser().parse_args(words).command == words[0], line
