@@ -59,7 +59,7 @@ def main() -> int:
     from skipkey.core.engine import Engine
     from skipkey.provenance import machine_description
 
-    # The configuration the README quotes (the app's defaults until 2026-12-01): importance layers, 18 -> 12 over
+    # The configuration docs/results/engine.md quotes (the app's defaults until 2026-12-01): importance layers, 18 -> 12 over
     # the run, original weights, KV cache full.
     controls = Controls(max_new_tokens=args.tokens, horizon=args.tokens, set_by="layers", schedule="linear",
                         layer_policy="importance", b_max=18, b_min=12, warmup=1, tuned=False)

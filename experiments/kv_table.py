@@ -1,4 +1,4 @@
-"""The README's KV speed table, from the JSON that ``experiments/speed.sh``'s KV block writes.
+"""The KV speed tables of docs/results/kv.md, from the JSON that ``experiments/speed.sh``'s KV block writes.
 
     python -m experiments.kv_table
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The speed figures quoted in the README, every one against the full model in the same interleaved run.
+# The speed figures quoted in docs/results, every one against the full model in the same interleaved run.
 # Run from the repository root on a quiet machine: bash experiments/speed.sh [BLOCK ...]
 # Blocks: engine skip frontier kv app offload (default: all, in that order).
 set -euo pipefail
@@ -19,7 +19,7 @@ $py --model embedded --prompt-tokens 64 --max-new-tokens 32 --batch 1 8 --repeat
     --compare-targets 1.5 2 3 5 --output $out/bench_skip_embedded.json
 $py --model random:opt-1.3b --prompt-tokens 64 --max-new-tokens 24 --batch 1 8 --repeats 2 \
     --compare-targets 1.5 2 3 5 --output $out/bench_skip_opt1.3b.json
-# Batch 1 on the OPT-1.3B shape again, longer (the README's batch-1 rows; step-cost fit per variant).
+# Batch 1 on the OPT-1.3B shape again, longer (docs/results/skipdecode.md's batch-1 rows; step-cost fit per variant).
 $py --model random:opt-1.3b --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 5 \
     --compare-targets 1.5 2 3 5 --output $out/bench_skip_opt1.3b_b1.json
 
