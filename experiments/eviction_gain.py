@@ -29,6 +29,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import skipkey.core.attention as attention
 from skipkey.quality.bench import synthetic_prompt
