@@ -4,7 +4,9 @@ in the same run, and its quality against the full model, read from the JSON in `
     python -m experiments.headline
 
 prints the markdown table; ``tests/test_repo.py`` fails when the README's copy differs. A new row is one more entry
-in ``ROWS``.
+in ``ROWS``: e.g. test-split figures, ``SkipDecodeRow("SkipDecode 1.5x, tuned, test split", 1.5,
+evaluation="eval_tuned_test.json", chosen_on="test (settings chosen on other prompts)")``; another method, a small
+class with a ``label`` and ``cells()``.
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ def bench_row(runs: list[dict], variant: str, prompt_tokens: int | None = None) 
 
 @dataclass(frozen=True)
 class SkipDecodeRow:
-    """SkipDecode with the committed adapter: speed from the frontier bench, quality from the tuned evaluation."""
+    """SkipDecode with the committed adapter: speed from the frontier bench, quality from a tuned evaluation
+    (``eval --suite tuned``; another file for another prompt split, with its own ``chosen_on``)."""
     label: str
     target: float
     policy: str = "importance"
     bench: str = "bench_skip_frontier_importance.json"
     evaluation: str = "eval_tuned.json"
+    chosen_on: str = "validation (settings chosen on these prompts)"
 
     def cells(self) -> tuple[str, ...]:
         run, row = bench_row(read(self.bench), f"skip {self.policy} {self.target:.1f}x (tuned)")
@@ -54,7 +58,7 @@ class SkipDecodeRow:
         tuned, full = rows[f"{self.policy} {self.target:.1f}x tuned"], rows["full"]
         quality = (f"next-token accuracy {tuned['next_token_accuracy']:.3f}, ROUGE-L {tuned['rouge_l']:.3f}, "
                    f"PPL {tuned['ppl_of_full_continuations']:.2f} (full {full['ppl_of_full_continuations']:.2f})")
-        prompts = f"validation (settings chosen on these prompts): {evaluated['prompts']} prompts"
+        prompts = f"{self.chosen_on}: {evaluated['prompts']} prompts"
         places = where(run) if where(run) == where(evaluated) else f"speed {where(run)}; quality {where(evaluated)}"
         return (self.label, f"{row['speedup_vs_full']:.2f}x", quality, prompts,
                 f"{MODEL_NAMES.get(run['model'], run['model'])}, {places}", f"`{self.bench}`, `{self.evaluation}`")
