@@ -14,7 +14,7 @@ from skipkey.core.tiny import tiny_model  # noqa: E402
 # Tiny models are all overhead: one thread avoids oversubscription on small CI machines.
 torch.set_num_threads(1)
 
-# The device the engine tests run on: the CPU, or SKIPKEY_TEST_DEVICE=cuda (assets/results/gpu.sh).
+# The device the engine tests run on: the CPU, or SKIPKEY_TEST_DEVICE=cuda (experiments/gpu.sh).
 TEST_DEVICE = torch.device(os.environ.get("SKIPKEY_TEST_DEVICE", "cpu"))
 if TEST_DEVICE.type == "cuda" and TEST_DEVICE.index is None:
     TEST_DEVICE = torch.device("cuda", 0)  # as tensors name it, so devices compare equal

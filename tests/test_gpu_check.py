@@ -1,4 +1,4 @@
-"""The GPU check (``assets/results/gpu.sh``): its dry run passes on the CPU, and its GPU run asks for what it must.
+"""The GPU check (``experiments/gpu.sh``): its dry run passes on the CPU, and its GPU run asks for what it must.
 
 No GPU is lent to CI, so the GPU run itself is checked by reading the script; the dry run runs the same steps
 small, on the CPU, so the script, its helper and every command it calls keep working.
@@ -14,7 +14,7 @@ from skipkey.kv.policies import KV_POLICIES
 from skipkey.core.random_models import RANDOM_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "assets" / "results" / "gpu.sh"
+SCRIPT = ROOT / "experiments" / "gpu.sh"
 STEPS = ["tests", "skip_opt1.3b", "kv", "offload", "app"]
 
 
@@ -44,7 +44,7 @@ def test_the_gpu_run_asks_for_what_the_issue_asks():
                    "--model random:opt-6.7b --device cuda", "--batch 1 8", "--compare-targets 1.5 2 3 5",
                    "--model random:llama-7b --device cuda --dtype bfloat16 --prompt-tokens 4096",
                    "--max-new-tokens 256", "--compare-kv $kv_policies", "--kv-budget 0.5",
-                   "gpu_check.py app --device cuda", "--device-map auto --max-memory 0:1GiB"]:
+                   "experiments.gpu_check app --device cuda", "--device-map auto --max-memory 0:1GiB"]:
         assert needed in gpu_run, needed
     assert "SKIPKEY_GPU_BUDGET_S:-450" in SCRIPT.read_text()  # under 8 minutes, with room to start
 

@@ -99,6 +99,13 @@ def _noise_base(seed: int, layer: int, hkv: int, groups: int, device) -> torch.T
     return _mix(_mix(torch.tensor(seed, device=device) * 0x9E3779B1 + layer) + head * 0x632BE5AB)
 
 
+def clear_tables() -> None:
+    """Forget every cached table, so the next draw rebuilds them from ``NOISE_ROWS`` and ``NOISE_COLS`` (for an
+    experiment that changes the table's size; the shipped size is what every Keyformer figure was measured with)."""
+    noise_table.cache_clear()
+    _query_table.cache_clear()
+
+
 _TOP_UNIFORM = 1.0 - 2.0 ** -24  # the largest float32 below 1
 
 

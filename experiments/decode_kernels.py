@@ -4,7 +4,7 @@ Decode, batch 1 and 8, a 2k prompt at 50%: 1025 cached slots (SDPA over the full
 what a scoring policy's attention costs against SDPA, and what Keyformer's noise costs. Prompt, batch 1, 2k and
 4k tokens: what scoring every prompt query (H2O, Keyformer) costs against the layer's causal SDPA.
 
-    .venv/bin/python assets/results/decode_kernels.py > assets/results/decode_kernels.txt
+    python -m experiments.decode_kernels > assets/results/decode_kernels.txt
 
 "cold" cycles through 24 layers' own caches with a weight matrix read between calls, as in a real step, so the
 cache comes from memory rather than the CPU's caches.
@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from skipkey.core import kernels  # noqa: E402
-from skipkey.core import attention  # noqa: E402
-from skipkey.core.attention import NoiseIndex, ScoreContribution  # noqa: E402
-from skipkey.core.cache import LayerCache  # noqa: E402
-from skipkey.kv.noise import gumbel_noise  # noqa: E402
-from skipkey.provenance import machine_description  # noqa: E402
+from skipkey.core import kernels
+from skipkey.core import attention
+from skipkey.core.attention import NoiseIndex, ScoreContribution
+from skipkey.core.cache import LayerCache
+from skipkey.kv.noise import gumbel_noise
+from skipkey.provenance import machine_description
 
 LAYERS, HEADS, SLOTS, FULL_SLOTS, DIM = 24, 16, 1025, 2049, 64
 DTYPE = torch.bfloat16

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, in one call, on one GPU: bash assets/results/gpu.sh [--dry-run] [--out DIR]
+# The GPU check, in one call, on one GPU: bash experiments/gpu.sh [--dry-run] [--out DIR]
 #
 #   tests       the engine-parity and exactness tests on CUDA (SKIPKEY_TEST_DEVICE=cuda): the tiny families,
 #               the embedded model, and the offload tests (GPU compute with CPU and disk offload, layers on two
@@ -19,7 +19,7 @@
 # instead of the big shapes, a tiny model in the app), into a temporary folder unless --out is given. CI runs it
 # (tests/test_gpu_check.py), so the script keeps working where no GPU is lent.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 dry=0
 out=""
@@ -27,7 +27,7 @@ while (( $# )); do
     case $1 in
         --dry-run) dry=1 ;;
         --out) out=$2; shift ;;
-        *) echo "usage: bash assets/results/gpu.sh [--dry-run] [--out DIR]" >&2; exit 2 ;;
+        *) echo "usage: bash experiments/gpu.sh [--dry-run] [--out DIR]" >&2; exit 2 ;;
     esac
     shift
 done
@@ -81,7 +81,7 @@ if (( dry )); then
     step offload 120 $bench --model random:opt-125m --dtype float32 --device-map auto --max-memory cpu:350MB \
         --offload-dir "$offload" --prompt-tokens 16 --max-new-tokens 4 --batch 1 --repeats 1 --warmup 0 \
         --no-generate --compare-targets 1.5 2 3 --output "$out/gpu_bench_offload_opt1.3b.json"
-    step app 180 $py assets/results/gpu_check.py app --device cpu --tiny --output "$out/gpu_app.json"
+    step app 180 $py -m experiments.gpu_check app --device cpu --tiny --output "$out/gpu_app.json"
 else
     # Estimated on an H200 (not yet run on one): tests 150 s (40-90 s of it converting the embedded model on a
     # fresh machine), the OPT benches 40 + 50 s, the app 20 s, offload 50 s, KV 80 s: about 390 s in all.
@@ -92,7 +92,7 @@ else
         --batch 1 8 --repeats 2 --compare-targets 1.5 2 3 5 --output "$out/gpu_bench_skip_opt1.3b.json"
     step skip_opt6.7b 90 $bench --model random:opt-6.7b --device cuda --prompt-tokens 128 --max-new-tokens 64 \
         --batch 1 8 --repeats 2 --compare-targets 1.5 2 3 5 --output "$out/gpu_bench_skip_opt6.7b.json"
-    step app 60 $py assets/results/gpu_check.py app --device cuda --output "$out/gpu_app.json"
+    step app 60 $py -m experiments.gpu_check app --device cuda --output "$out/gpu_app.json"
     step kv 120 $bench --model random:llama-7b --device cuda --dtype bfloat16 --prompt-tokens 4096 \
         --max-new-tokens 256 --batch 1 --repeats 1 --warmup 1 --no-generate --compare-kv $kv_policies \
         --kv-budget 0.5 --output "$out/gpu_bench_kv_llama7b.json"
@@ -101,8 +101,8 @@ else
         --compare-targets 1.5 2 3 --output "$out/gpu_bench_offload_opt1.3b.json"
 fi
 
-[[ -f $out/gpu_tests.xml ]] && $py assets/results/gpu_check.py junit "$out/gpu_tests.xml" "$out/gpu_tests.json" \
+[[ -f $out/gpu_tests.xml ]] && $py -m experiments.gpu_check junit "$out/gpu_tests.xml" "$out/gpu_tests.json" \
     && rm -f "$out/gpu_tests.xml"
-$py assets/results/gpu_check.py summary "$steps" "$out/gpu_summary.json" $( (( dry )) && echo --dry-run )
+$py -m experiments.gpu_check summary "$steps" "$out/gpu_summary.json" $( (( dry )) && echo --dry-run )
 echo "results in $out ($(( $(date +%s) - start )) s)"
 ! grep -qv $'\tpassed\t' "$steps"

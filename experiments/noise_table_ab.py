@@ -2,7 +2,7 @@
 (Llama-MHA-350M shape: 16 heads of 64, bf16, random inputs) with the shipped 32 MB table and with smaller ones
 that fit the caches, beside H2O (the same kernel with no noise). Interleaved rounds, one process.
 
-    .venv/bin/python assets/results/noise_table_ab.py > assets/results/noise_table_ab.txt
+    python -m experiments.noise_table_ab > assets/results/noise_table_ab.txt
 
 A smaller table changes every draw (so every Keyformer quality figure), which is why it is measured here and
 not shipped: the gap between the shipped table and H2O bounds what any cheaper noise could buy.
@@ -11,21 +11,17 @@ not shipped: the gap between the shipped table and H2O bounds what any cheaper n
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
 
-import torch  # noqa: E402
-
-from skipkey.core import attention  # noqa: E402
+from skipkey.core import attention
 
 from skipkey.kv import noise
-from skipkey.core.attention import ScoreContribution  # noqa: E402
-from skipkey.core.cache import LayerCache  # noqa: E402
-from skipkey.provenance import machine_description  # noqa: E402
+from skipkey.core.attention import ScoreContribution
+from skipkey.core.cache import LayerCache
+from skipkey.provenance import machine_description
 
 HEADS, DIM, LAYER, SEED = 16, 64, 3, 0
 
@@ -36,8 +32,7 @@ def score_once(inputs, rows: int | None) -> float:
     contribution = ScoreContribution()
     if rows is not None:
         noise.NOISE_ROWS = rows
-        noise.noise_table.cache_clear()
-        noise._query_table.cache_clear()
+        noise.clear_tables()
         noise.noise_table(SEED, "cpu")  # built outside the timed call, as a long-running process has it
         contribution = ScoreContribution(1.0, SEED)
     layer = LayerCache(None)
@@ -67,6 +62,7 @@ def main() -> None:
                     times[rows].append(seconds)
     finally:
         noise.NOISE_ROWS = shipped
+        noise.clear_tables()
     print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {machine_description(torch.device('cpu'))}; "
           f"{args.tokens} tokens, {args.rounds} rounds")
     print("| variant | table | min ms | median ms | vs H2O (median) |")

@@ -10,7 +10,7 @@ interleaved, on this machine:
 Each reports SkipKey's speedup as the full model's median ms per token over SkipKey's
 (what the page shows as "measured"). Writes ``assets/results/app_timing.json``.
 
-    .venv/bin/python assets/results/app_timing.py [--repeats 3] [--tokens 48]
+    python -m experiments.app_timing [--repeats 3] [--tokens 48]
 
 Run it on a quiet machine: it is a timing measurement.
 """
@@ -27,9 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+ROOT = Path(__file__).resolve().parents[1]
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -61,7 +59,7 @@ def main() -> int:
     from skipkey.core.engine import Engine
     from skipkey.provenance import machine_description
 
-    # The configuration the README quotes (the app's defaults until 2026-12-01): importance layers, 18 -> 12 over
+    # The configuration docs/results/engine.md quotes (the app's defaults until 2026-12-01): importance layers, 18 -> 12 over
     # the run, original weights, KV cache full.
     controls = Controls(max_new_tokens=args.tokens, horizon=args.tokens, set_by="layers", schedule="linear",
                         layer_policy="importance", b_max=18, b_min=12, warmup=1, tuned=False)
@@ -108,7 +106,7 @@ def main() -> int:
     summary = {k: statistics.median(v) for k, v in results.items()}
     summary["browser_over_bench"] = summary["browser"] / summary["bench"]
     summary["api_over_bench"] = summary["api"] / summary["bench"]
-    record = {"command": " ".join([".venv/bin/python", "assets/results/app_timing.py", *sys.argv[1:]]),"machine": machine_description(loaded.model.device),
+    record = {"command": " ".join([".venv/bin/python", "-m", "experiments.app_timing", *sys.argv[1:]]),"machine": machine_description(loaded.model.device),
               "date": time.strftime("%Y-%m-%d"), "config": request.describe(), "tokens": args.tokens,
               "samples": results, "median": summary}
     Path(args.output).write_text(json.dumps(record, indent=2))

@@ -1,7 +1,7 @@
 """Where a skip-only adapter should start to apply: the tuned `top` policy with the adapter applied only at steps
 that skip at least N layers (lighter steps run the original weights), on the held-out prompts, for each N.
 
-    python assets/results/min_skipped.py --adapter assets/skipdecode-lora --values 1 2 3 4 5 --targets 1.5 2 \
+    python -m experiments.min_skipped --adapter assets/skipdecode-lora --values 1 2 3 4 5 --targets 1.5 2 \
         --output assets/results/min_skipped.json
 
 A serving-time sweep of one adapter (the one trained with ``--min-skipped`` as its metadata says): the measures
@@ -15,15 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from skipkey.config import decode_steps  # noqa: E402
-from skipkey.quality.evaluate import QUALITY_COLUMNS, EvalConfig, markdown_table, quality  # noqa: E402
-from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata  # noqa: E402
-from skipkey.models import load  # noqa: E402
-from skipkey.quality.prompts import ORDINARY_PROMPTS  # noqa: E402
-from skipkey.provenance import machine_description  # noqa: E402
-from skipkey.skipdecode.plan import make_skipdecode  # noqa: E402
+from skipkey.config import decode_steps
+from skipkey.quality.evaluate import QUALITY_COLUMNS, EvalConfig, markdown_table, quality
+from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
+from skipkey.models import load
+from skipkey.quality.prompts import ORDINARY_PROMPTS
+from skipkey.provenance import machine_description
+from skipkey.skipdecode.plan import make_skipdecode
 
 
 def main() -> None:
@@ -51,7 +49,7 @@ def main() -> None:
     for row, config in zip(rows, configs):
         row["min_skipped"] = config.options["min_skipped"]
     Path(args.output).write_text(json.dumps({
-        "command": "python assets/results/min_skipped.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+        "command": "python -m experiments.min_skipped " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
         "machine": machine_description(loaded.device), "adapter": args.adapter, "prompts": args.prompts, "rows": rows}, indent=1) + "\n")
     print(markdown_table(rows, ["label", "min_skipped", *QUALITY_COLUMNS]))
 

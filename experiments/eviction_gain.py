@@ -1,6 +1,6 @@
 """Eviction's own decode speedup: each KV policy in lockstep beside the same engine with nothing evicted.
 
-    .venv/bin/python assets/results/eviction_gain.py --prompt-tokens 2048 --batch 8 \
+    python -m experiments.eviction_gain --prompt-tokens 2048 --batch 8 \
         --output assets/results/eviction_gain_2k_b8.json
 
 ``bench``'s KV rows run beside the full model, whose decode attention is transformers' SDPA (so that it stays
@@ -31,17 +31,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import skipkey.core.attention as attention  # noqa: E402
-from skipkey.quality.bench import synthetic_prompt  # noqa: E402
-from skipkey.config import GenerationSettings  # noqa: E402
-from skipkey.core.engine import Engine  # noqa: E402
-from skipkey.kv.policies import make_kv_policy, parse_policy_spec  # noqa: E402
-from skipkey.quality.metrics import speed, traffic  # noqa: E402
-from skipkey.models import load  # noqa: E402
-from skipkey.provenance import machine_description  # noqa: E402
-from skipkey.core.trace import Trace, run_lockstep  # noqa: E402
+import skipkey.core.attention as attention
+from skipkey.quality.bench import synthetic_prompt
+from skipkey.config import GenerationSettings
+from skipkey.core.engine import Engine
+from skipkey.kv.policies import make_kv_policy, parse_policy_spec
+from skipkey.quality.metrics import speed, traffic
+from skipkey.models import load
+from skipkey.provenance import machine_description
+from skipkey.core.trace import Trace, run_lockstep
 
 REFERENCE = "window:budget=1.0"
 POLICIES = ["window", "streaming", "h2o", "keyformer", "tova", "snapkv", "keyformer:observe=8,pool=7",
@@ -115,7 +113,7 @@ def main() -> None:
 
     lm = load(args.model, dtype=args.dtype)
     from transformers import AttentionInterface
-    AttentionInterface._global_mapping[attention.ATTENTION_NAME] = timed_attention  # after ``load`` registered it
+    AttentionInterface.register(attention.ATTENTION_NAME, timed_attention)  # after ``load`` registered it
     prompts = [synthetic_prompt(lm.tokenizer, args.prompt_tokens, salt=row) for row in range(args.batch)]
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     reference = engine_for(lm, REFERENCE, args.kv_budget)

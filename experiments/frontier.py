@@ -2,20 +2,17 @@
 measured speedup of the same schedule on this machine (``bench``), one line per configuration: untuned
 ``top`` and ``importance``, and each adapter (one ``--eval`` each) at the policy it was trained with.
 
-    python assets/results/frontier.py --eval assets/results/eval_tuned.json \
+    python -m experiments.frontier --eval assets/results/eval_tuned.json \
         --bench assets/results/bench_skip_frontier_top.json assets/results/bench_skip_frontier_importance.json \
         --figure assets/skipdecode_frontier.png
 """
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from skipkey.quality.evaluate import markdown_table, save_figure  # noqa: E402
-from skipkey.training.shapes import frontier_figure, frontier_quality, frontier_rows  # noqa: E402
+from skipkey.quality.evaluate import markdown_table, save_figure
+from skipkey.training.shapes import frontier_figure, frontier_quality, frontier_rows
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 cached skipping decode, split by how many layers each position ran. One table row per (target, shape, depth):
 positions, mean NLL, and the share of the config's whole NLL; a config's PPL is exp(its NLL / its positions).
 
-    python assets/results/nll_by_depth.py --adapter assets/skipdecode-lora --targets 1.5 2 --prompts 48 \
+    python -m experiments.nll_by_depth --adapter assets/skipdecode-lora --targets 1.5 2 --prompts 48 \
         --output assets/results/nll_by_depth.json
 """
 
@@ -14,17 +14,15 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from skipkey.config import GenerationSettings, decode_steps  # noqa: E402
-from skipkey.core.engine import Engine  # noqa: E402
-from skipkey.quality.evaluate import EvalConfig, decode_config, markdown_table  # noqa: E402
-from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata  # noqa: E402
-from skipkey.models import load  # noqa: E402
-from skipkey.quality.prompts import ORDINARY_PROMPTS  # noqa: E402
-from skipkey.provenance import machine_description  # noqa: E402
-from skipkey.skipdecode.schedules import PAPER_SHAPE, measured_best_shape  # noqa: E402
-from skipkey.skipdecode.plan import SkipDecode  # noqa: E402
+from skipkey.config import GenerationSettings, decode_steps
+from skipkey.core.engine import Engine
+from skipkey.quality.evaluate import EvalConfig, decode_config, markdown_table
+from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
+from skipkey.models import load
+from skipkey.quality.prompts import ORDINARY_PROMPTS
+from skipkey.provenance import machine_description
+from skipkey.skipdecode.schedules import PAPER_SHAPE, measured_best_shape
+from skipkey.skipdecode.plan import SkipDecode
 
 
 def nll_by_depth(model, skip, prompts, continuations) -> dict[int, tuple[int, float]]:

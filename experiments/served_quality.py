@@ -2,21 +2,18 @@
 measures on the 48 held-out prompts, 64 tokens, float32, against the full model): the quick check of a training
 run before the whole ``eval --suite tuned``. One JSON line per target.
 
-    python assets/results/served_quality.py /tmp/me/lora-g 1.5 2 3
+    python -m experiments.served_quality /tmp/me/lora-g 1.5 2 3
 """
 
 import json
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata  # noqa: E402
-from skipkey.models import load  # noqa: E402
-from skipkey.quality.prompts import ORDINARY_PROMPTS  # noqa: E402
-from skipkey.skipdecode.schedules import measured_best_shape  # noqa: E402
-from skipkey.training.shapes import measure_rows  # noqa: E402
+from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
+from skipkey.models import load
+from skipkey.quality.prompts import ORDINARY_PROMPTS
+from skipkey.skipdecode.schedules import measured_best_shape
+from skipkey.training.shapes import measure_rows
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
-"""The README's KV speed table, from the JSON that ``assets/results/speed.sh``'s KV block writes.
+"""The KV speed tables of docs/results/kv.md, from the JSON that ``experiments/speed.sh``'s KV block writes.
 
-    python3 assets/results/kv_table.py
+    python -m experiments.kv_table
 
 One row per (model, prompt, batch, policy): decode tok/s (each row's own median), the lockstep "vs full" with the
 range over runs (where there were several), the memory-traffic limit, the measured speedup over it, then (where the
@@ -18,7 +18,7 @@ import re
 from statistics import median
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "assets" / "results"  # the data it reads
 FILES = [("llama-mha-350m", "bench_kv_llama350m_2k.json"), ("llama-mha-350m", "bench_kv_llama350m_4k.json"),
          ("llama-mha-350m", "bench_kv_llama350m_2k_b8.json"), ("llama-mha-350m", "bench_kv_llama350m_4k_b8.json"),
          ("embedded", "bench_kv_embedded.json")]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The speed figures quoted in the README, every one against the full model in the same interleaved run.
-# Run from the repository root on a quiet machine: bash assets/results/speed.sh [BLOCK ...]
+# The speed figures quoted in docs/results, every one against the full model in the same interleaved run.
+# Run from the repository root on a quiet machine: bash experiments/speed.sh [BLOCK ...]
 # Blocks: engine skip frontier kv app offload (default: all, in that order).
 set -euo pipefail
 out=assets/results
@@ -19,7 +19,7 @@ $py --model embedded --prompt-tokens 64 --max-new-tokens 32 --batch 1 8 --repeat
     --compare-targets 1.5 2 3 5 --output $out/bench_skip_embedded.json
 $py --model random:opt-1.3b --prompt-tokens 64 --max-new-tokens 24 --batch 1 8 --repeats 2 \
     --compare-targets 1.5 2 3 5 --output $out/bench_skip_opt1.3b.json
-# Batch 1 on the OPT-1.3B shape again, longer (the README's batch-1 rows; step-cost fit per variant).
+# Batch 1 on the OPT-1.3B shape again, longer (docs/results/skipdecode.md's batch-1 rows; step-cost fit per variant).
 $py --model random:opt-1.3b --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 5 \
     --compare-targets 1.5 2 3 5 --output $out/bench_skip_opt1.3b_b1.json
 
@@ -30,7 +30,7 @@ $py --model embedded --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 
 
 frontier() {
 # The SkipDecode frontier (issue 13): each layer policy at the tuned evaluation's targets with the measured-best
-# shapes, untuned and tuned (the committed adapter), batch 1, 64 tokens; assets/results/frontier.py joins these to
+# shapes, untuned and tuned (the committed adapter), batch 1, 64 tokens; python -m experiments.frontier joins these to
 # the tuned evaluation's accuracy.
 for policy in top importance; do
   $py --model embedded --prompt-tokens 64 --max-new-tokens 64 --batch 1 --repeats 3 --skip-policy $policy \
@@ -64,14 +64,14 @@ $py --model embedded --prompt-tokens 2048 4096 --max-new-tokens 32 --batch 1 --w
 # Eviction's own gain: each policy in lockstep beside `window:budget=1.0` (the same kernel, nothing evicted), both
 # from one recorded prompt pass, three runs of 32 decode steps; the ratio-of-ratios above is too noisy at batch 8.
 for batch in 1 8; do for tokens in 2048 4096; do
-  .venv/bin/python assets/results/eviction_gain.py --prompt-tokens $tokens --batch $batch \
+  .venv/bin/python -m experiments.eviction_gain --prompt-tokens $tokens --batch $batch \
       --output $out/eviction_gain_$((tokens / 1024))k_b$batch.json
 done; done
 }
 
 app() {
 # The app's measured speedup with chromium open on this machine, against bench on the same configuration.
-.venv/bin/python assets/results/app_timing.py --repeats 3
+.venv/bin/python -m experiments.app_timing --repeats 3
 }
 
 offload() {

@@ -1,8 +1,8 @@
-"""Helpers of the GPU check (``assets/results/gpu.sh``): the app comparison, the test report, the summary.
+"""Helpers of the GPU check (``experiments/gpu.sh``): the app comparison, the test report, the summary.
 
-python assets/results/gpu_check.py app --device cuda --output assets/results/gpu_app.json
-python assets/results/gpu_check.py junit gpu_tests.xml gpu_tests.json
-python assets/results/gpu_check.py summary steps.tsv gpu_summary.json --dry-run
+python -m experiments.gpu_check app --device cuda --output assets/results/gpu_app.json
+python -m experiments.gpu_check junit gpu_tests.xml gpu_tests.json
+python -m experiments.gpu_check summary steps.tsv gpu_summary.json --dry-run
 """
 
 from __future__ import annotations
@@ -11,13 +11,10 @@ import argparse
 import dataclasses
 import json
 import socket
-import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 
 def app_comparison(device: str, tiny: bool, output: Path) -> None:

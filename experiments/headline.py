@@ -1,0 +1,113 @@
+"""The README's headline table: each method at its recommended setting, its measured speedup against the full model
+in the same run, and its quality against the full model, read from the JSON in ``assets/results``.
+
+    python -m experiments.headline
+
+prints the markdown table; ``tests/test_repo.py`` fails when the README's copy differs. A new row is one more entry
+in ``ROWS``: e.g. test-split figures, ``SkipDecodeRow("SkipDecode 1.5x, tuned, test split", 1.5,
+evaluation="eval_tuned_test.json", chosen_on="test (settings chosen on other prompts)")``; another method, a small
+class with a ``label`` and ``cells()``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "assets" / "results"
+MODEL_NAMES = {"embedded": "Gemma 3 270M (embedded)"}
+HEADER = ("method, setting", "speedup vs full (same run)", "quality vs full", "quality prompts",
+          "model, machine, date", "data")
+
+
+def read(name: str):
+    return json.loads((RESULTS / name).read_text())
+
+
+def where(run: dict) -> str:
+    """``AMD EPYC, 2 cores, 2026-12-04``: the machine without its software versions, and the date."""
+    return f"{run['machine'].split(', torch')[0]}, {run['date']}"
+
+
+def bench_row(runs: list[dict], variant: str, prompt_tokens: int | None = None) -> tuple[dict, dict]:
+    """The bench run and row of ``variant`` (at ``prompt_tokens``, where a file holds several lengths)."""
+    for run in runs:
+        if prompt_tokens is None or run["prompt_tokens"] == [prompt_tokens]:
+            for row in run["rows"]:
+                if row["variant"] == variant:
+                    return run, row
+    raise KeyError(f"no bench row {variant!r} at {prompt_tokens} tokens")
+
+
+@dataclass(frozen=True)
+class SkipDecodeRow:
+    """SkipDecode with the committed adapter: speed from the frontier bench, quality from a tuned evaluation
+    (``eval --suite tuned``; another file for another prompt split, with its own ``chosen_on``)."""
+    label: str
+    target: float
+    policy: str = "importance"
+    bench: str = "bench_skip_frontier_importance.json"
+    evaluation: str = "eval_tuned.json"
+    chosen_on: str = "validation (settings chosen on these prompts)"
+
+    def cells(self) -> tuple[str, ...]:
+        run, row = bench_row(read(self.bench), f"skip {self.policy} {self.target:.1f}x (tuned)")
+        evaluated = read(self.evaluation)
+        rows = {r["label"]: r for r in evaluated["tuned"]}
+        tuned, full = rows[f"{self.policy} {self.target:.1f}x tuned"], rows["full"]
+        quality = (f"next-token accuracy {tuned['next_token_accuracy']:.3f}, ROUGE-L {tuned['rouge_l']:.3f}, "
+                   f"PPL {tuned['ppl_of_full_continuations']:.2f} (full {full['ppl_of_full_continuations']:.2f})")
+        prompts = f"{self.chosen_on}: {evaluated['prompts']} prompts"
+        places = where(run) if where(run) == where(evaluated) else f"speed {where(run)}; quality {where(evaluated)}"
+        return (self.label, f"{row['speedup_vs_full']:.2f}x", quality, prompts,
+                f"{MODEL_NAMES.get(run['model'], run['model'])}, {places}", f"`{self.bench}`, `{self.evaluation}`")
+
+
+@dataclass(frozen=True)
+class KVRow:
+    """A KV policy at a budget: decode speed from the KV bench at each prompt length, retrieval accuracy from the
+    retrieval benchmark (answers kept out of the full model's, over every length)."""
+    label: str
+    spec: str
+    bench_variant: str
+    budget: float = 0.5
+    bench: str = "bench_kv_embedded.json"
+    evaluation: str = "eval_kv_retrieval_benchmark.json"
+    chosen_on: str = "test (options chosen on another task seed)"
+
+    def cells(self) -> tuple[str, ...]:
+        runs = read(self.bench)
+        speeds = []
+        for run in runs:
+            _, row = bench_row([run], self.bench_variant)
+            speeds.append(f"{row['speedup_vs_full']:.2f}x at {run['prompt_tokens'][0]} tokens")
+        evaluated = read(self.evaluation)
+        rows = evaluated["kv_retrieval"]
+        ours = [r for r in rows if r["spec"] == self.spec and r["budget"] == self.budget]
+        full = [r for r in rows if r["spec"] == "full"]
+        lengths = sorted({r["length"] for r in ours})
+        quality = (f"retrieval: {sum(r['hits'] for r in ours)} of {sum(r['n'] for r in ours)} answers "
+                   f"(full {sum(r['hits'] for r in full)}), {lengths[0]}–{lengths[-1]}-token prompts")
+        places = f"speed {where(runs[0])}; quality {where(evaluated)}"
+        return (self.label, ", ".join(speeds), quality, self.chosen_on,
+                f"{MODEL_NAMES.get(runs[0]['model'], runs[0]['model'])}, {places}",
+                f"`{self.bench}`, `{self.evaluation}`")
+
+
+ROWS = (
+    SkipDecodeRow("SkipDecode 1.5x, tuned (`importance`, the app's default)", 1.5),
+    SkipDecodeRow("SkipDecode 2x, tuned (`importance`)", 2.0),
+    KVRow("Keyformer 50% of the prompt, query-aware (`observe=8,pool=7`)", "keyformer:observe=8,pool=7",
+          "keyformer (50% of prompt, recent 30%, observe 8, pool 7)"),
+)
+
+
+def table(rows=ROWS) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
