@@ -3,7 +3,7 @@ summed over the layers and averaged over decode steps (the first three steps are
 
     python -m experiments.decode_breakdown --batch 1 --prompt-tokens 2048 > assets/results/decode_breakdown_b1.txt
 
-Each part is a public function of ``skipkey.core.attention`` / ``skipkey.core.cache`` / ``skipkey.core.kernels`` /
+Each part is a public function of ``skipkey.core.attention`` / ``skipkey.kv.scoring`` / ``skipkey.core.cache`` / ``skipkey.core.kernels`` /
 ``skipkey.kv.policies`` wrapped with a timer (a few microseconds per call), on the Llama-MHA-350M shape (random
 weights, bf16), one policy after another in one process. Parts nest: "attention" contains "write", "mask" (an
 explicit mask built from positions), "SDPA" or "fused decode attention" (the C++ kernel's ``attend_score``: a
@@ -25,6 +25,7 @@ import time
 import torch
 
 import skipkey.core.attention as attention
+import skipkey.kv.scoring as scoring
 import skipkey.core.cache as cache
 from skipkey.core import kernels
 from skipkey.core.engine import Engine
@@ -55,8 +56,8 @@ def timed(owner, name: str, label: str) -> None:
 
 PARTS = [(attention, "skipkey_attention", "attention"), (cache.LayerCache, "write", "write"),
          (attention, "allowed_keys", "mask"), (attention, "sdpa_attention_forward", "SDPA"),
-         (attention.ScoreContribution, "__call__", "score contribution"),
-         (attention, "gumbel_noise", "Gumbel noise"), (cache.LayerCache, "trim_to_window", "eviction")]
+         (scoring.ScoreContribution, "__call__", "score contribution"),
+         (scoring, "gumbel_noise", "Gumbel noise"), (cache.LayerCache, "trim_to_window", "eviction")]
 
 
 def timed_kernel(for_tensors):

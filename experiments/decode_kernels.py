@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from skipkey.core import kernels
-from skipkey.core import attention
-from skipkey.core.attention import NoiseIndex, ScoreContribution
+from skipkey.core.attention import StepState
+from skipkey.kv.scoring import NoiseIndex, ScoreContribution, accumulate_scores
 from skipkey.core.cache import LayerCache
 from skipkey.kv.noise import gumbel_noise
 from skipkey.provenance import machine_description
@@ -63,7 +63,7 @@ def decode(batch: int) -> None:
     def sdpa(i):
         F.scaled_dot_product_attention(query, keys[i], values[i])
 
-    def scoring(i):  # the scoring decode attention's kernels (skipkey.core.attention._attend_and_score)
+    def scoring(i):  # the scoring decode attention's kernels (skipkey.kv.scoring, attend and score)
         logits = torch.matmul(keys[i], query.transpose(-1, -2)).transpose(-1, -2).float()
         probs = torch.softmax(logits, dim=-1)
         torch.matmul(probs.to(DTYPE), values[i])
@@ -97,7 +97,7 @@ def decode(batch: int) -> None:
 
 
 def prompt(tokens: int) -> None:
-    """One layer's prompt attention against scoring every prompt query (``attention.accumulate_scores``)."""
+    """One layer's prompt attention against scoring every prompt query (``skipkey.kv.scoring.accumulate_scores``)."""
     torch.manual_seed(0)
     query, key, value = (torch.randn(1, HEADS, tokens, DIM, dtype=DTYPE) for _ in range(3))
     positions = torch.arange(tokens)[None]
@@ -109,8 +109,8 @@ def prompt(tokens: int) -> None:
         def run(_):
             layer = LayerCache(None)
             layer.write(key, value, positions, dense=True)
-            attention.accumulate_scores(layer, 3, query, key, DIM ** -0.5, positions, contribution,
-                                        position_limit=tokens)
+            accumulate_scores(layer, 3, query, key, DIM ** -0.5, StepState(cache=None, query_positions=positions,
+                                                                    contribution=contribution, position_limit=tokens))
         return run
 
     print(f"# prompt of {tokens} tokens: milliseconds per layer, batch 1 (the kernels {'on' if kernels.enabled() else 'off'})")

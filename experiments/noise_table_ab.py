@@ -16,10 +16,10 @@ from datetime import datetime, timezone
 
 import torch
 
-from skipkey.core import attention
 
 from skipkey.kv import noise
-from skipkey.core.attention import ScoreContribution
+from skipkey.core.attention import StepState
+from skipkey.kv.scoring import ScoreContribution, accumulate_scores
 from skipkey.core.cache import LayerCache
 from skipkey.provenance import machine_description
 
@@ -38,7 +38,8 @@ def score_once(inputs, rows: int | None) -> float:
     layer = LayerCache(None)
     layer.write(k, v, pos, dense=True)
     start = time.perf_counter()
-    attention.accumulate_scores(layer, LAYER, q, k, DIM ** -0.5, pos, contribution, position_limit=pos.shape[1])
+    accumulate_scores(layer, LAYER, q, k, DIM ** -0.5, StepState(cache=None, query_positions=pos, contribution=contribution,
+                                                             position_limit=pos.shape[1]))
     return time.perf_counter() - start
 
 
