@@ -240,7 +240,8 @@ def test_closing_the_comparison_closes_both_engine_loops(tiny):
 def test_compare_streams_then_returns_everything(handlers):
     outputs = run(handlers, max_new_tokens=12)
     assert "Generating" in outputs[0].status
-    status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, state = outputs[-1]
+    (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, diff, download,
+     state) = outputs[-1]
     assert status.startswith("**Done**") and full_text and skip_text
     assert "tokens/s" in full_md and "ms/token" in full_md and "first token" in full_md and "MB" in full_md
     assert "layers/token" in skip_md and "nominal speedup" in skip_md and "measured" in skip_md
