@@ -63,6 +63,10 @@ def test_a_full_comparison_returns_both_texts_and_both_figures(client, tiny):
     solo = Trace.collect(Engine(tiny), [PROMPTS[0]], GenerationSettings(max_new_tokens=8))
     assert full_text == solo.text()
     assert "tokens/s" in full_md and "layers/token" in skip_md and "Agreement" in agree
+    with open(download) as saved:  # the client fetched the run's JSON file
+        record = json.load(saved)
+    assert record["full"]["text"] == full_text and record["skipkey"]["text"] == skip_text
+    assert [span["token"] for span in diff] == [event["texts"][0] for event in record["skipkey"]["trace"]["events"]]
     for fig in (layer_fig, retention_fig):
         assert fig["type"] == "plotly"
         assert json.loads(fig["plot"])["data"][0]["type"] == "heatmap"
