@@ -735,14 +735,15 @@ def launch(demo: gr.Blocks, **kwargs):
 
 def main() -> None:
     logging.basicConfig()  # warnings and errors; request failures are logged with their traceback
-    try:
-        server_placement()  # a bad SKIPKEY_DEVICE_MAP / _MAX_MEMORY / _OFFLOAD_DIR stops the server at start
+    try:  # a bad placement variable or limit stops the server at start, saying which
+        server_placement()
+        limits = AppLimits.from_env()
     except InputError as error:
         raise SystemExit(f"error: {error}") from None
     models = ModelCache()
     models.future(models.default)  # start loading now: the first request should not wait from scratch
     kernels.build_in_background()  # and compiling the fused CPU kernels, where a compiler is installed
-    launch(build_demo(Handlers(models)))
+    launch(build_demo(Handlers(models, limits=limits)))
 
 
 if __name__ == "__main__":
