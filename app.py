@@ -116,13 +116,13 @@ _KEYFORMER_ONLY = dict(max_new_tokens=8, skip_on=False, set_by="target speedup",
                        kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=10,
                        kv_observe=RECOMMENDED_OPTIONS["observe"], kv_pool=RECOMMENDED_OPTIONS["pool"])
 EXAMPLE_SETTINGS: Mapping[str, Mapping[str, object]] = MappingProxyType({
-    "Colours": dict(prompt=DEFAULT_PROMPT, **_SKIPDECODE_ONLY),
+    "Photosynthesis": dict(prompt=DEFAULT_PROMPT, **_SKIPDECODE_ONLY),
     "Story": dict(prompt="Here is a short story about a robot who learns to paint.\n\nOnce upon a time,",
                   **_SKIPDECODE_ONLY),
     "Code": dict(prompt="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", **_SKIPDECODE_ONLY),
     "Long-context retrieval (eviction matters)": dict(prompt=RETRIEVAL_PROMPT, **_KEYFORMER_ONLY),
 })
-EXAMPLE_INPUTS = tuple(EXAMPLE_SETTINGS["Colours"])  # every example sets these controls, in this order
+EXAMPLE_INPUTS = tuple(EXAMPLE_SETTINGS["Photosynthesis"])  # every example sets these controls, in this order
 assert all(tuple(settings) == EXAMPLE_INPUTS for settings in EXAMPLE_SETTINGS.values())
 EXAMPLE_LABELS = list(EXAMPLE_SETTINGS)
 EXAMPLES = [[settings[name] for name in EXAMPLE_INPUTS] for settings in EXAMPLE_SETTINGS.values()]

@@ -548,7 +548,8 @@ def test_each_preset_builds_a_request_for_its_methods():
         assert (request.skip is not None) == (preset.skip_target is not None), preset.name
         assert (request.kv is not None) == (preset.kv_row is not None), preset.name
         if preset.skip_target is not None:  # the cost line quotes the target the preset runs
-            assert preset.changes["target_speedup"] == preset.skip_target and preset.changes["set_by"] == "target speedup"
+            assert preset.changes["target_speedup"] == preset.skip_target
+            assert preset.changes["set_by"] == "target speedup"
     assert {"SkipDecode 1.5x (tuned)", "SkipDecode 2x (tuned)", "Keyformer 50% (query-aware)",
             "Keyformer 50% (paper)", "both"} == set(app_logic.PRESETS)
     query_aware = app_logic.PRESETS["Keyformer 50% (query-aware)"].changes

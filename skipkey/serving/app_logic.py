@@ -54,7 +54,8 @@ DECODING = ("greedy", "sample")
 SET_BY = ("layers", "target speedup")
 # The KV registry's policies, newest method first ("full" is the left column, not a choice).
 KV_CHOICES = tuple(name for name in reversed(KV_POLICIES) if name != "full")
-DEFAULT_PROMPT = "The three primary colours of light are"
+# The embedded model answers it right, full and at 1.5x tuned alike (the screenshot: the page at its defaults).
+DEFAULT_PROMPT = "Photosynthesis is the process by which plants"
 DEFAULT_NEW_TOKENS = 48  # light enough that the embedded model answers within seconds on a small CPU
 DEFAULT_TARGET = 1.5  # SkipDecode's default nominal speedup (README, "SkipDecode fine-tuning": the frontier)
 MAX_NEW_TOKENS_UI = 512
@@ -785,7 +786,8 @@ def preset_cost(preset: Preset, results_dir: Path | None = None) -> str:
         results = read_results(SKIP_QUALITY_FILE, results_dir)
         rows = [r for r in tuned_rows(results) if r["target"] == preset.skip_target] if results else []
         full = next((r for r in results.get("tuned", ()) if r.get("policy") == "full"), None) if results else None
-        parts.append(f"SkipDecode at a nominal {preset.skip_target:g}x (layer runs per token cut {preset.skip_target:g}x); "
+        target = preset.skip_target
+        parts.append(f"SkipDecode at a nominal {target:g}x (layer runs per token cut {target:g}x); "
                      + (f"{_quality_text(rows[0], full)} on {results['prompts']} held-out prompts "
                         f"(`{SKIP_QUALITY_FILE}`)" if rows else f"not measured in `{SKIP_QUALITY_FILE}`"))
     if preset.kv_row is not None:
