@@ -156,6 +156,22 @@ def test_compare_and_stop_in_chromium(served, page, tmp_path):
     import app
 
     # 1. Each example sets every control it depends on: one method at a time.
+    if not SCREENSHOT:
+        # A preset sets its controls and says what it costs, from the results files.
+        page.locator("#preset label", has_text="Keyformer 50% (query-aware)").click()
+        wait_until(lambda: "Expected cost" in page.locator("#preset_cost").inner_text(), 10, "the cost line")
+        assert "eval_kv_quality_query_aware.json" in page.locator("#preset_cost").inner_text()
+        wait_until(lambda: checked(page, "kv_on") and not checked(page, "skip_on"), 10, "the preset's switches")
+        # Options that do not apply are hidden: temperature under greedy decoding, tau for h2o.
+        assert not page.locator("#temperature").is_visible() and page.locator("#tau_init").is_visible()
+        page.locator("#decoding label", has_text="sample").click()
+        wait_until(lambda: page.locator("#temperature").is_visible(), 10, "temperature to show when sampling")
+        page.locator("#kv_policy label", has_text="h2o").click()
+        wait_until(lambda: not page.locator("#tau_init").is_visible(), 10, "tau to hide for h2o")
+        assert page.locator("#kv_observe").is_visible(), "h2o takes observe"
+        assert "KV budget" in page.locator("#prompt_info").inner_text()
+        page.locator("#decoding label", has_text="greedy").click()
+        wait_until(lambda: not page.locator("#temperature").is_visible(), 10, "temperature to hide again")
     # The last one clicked, the first example, is the page's defaults: the picture shows them (and the
     # tiny model's byte-level tokenizer makes the retrieval prompt longer than its context).
     for label, settings in reversed(app.EXAMPLE_SETTINGS.items()):
