@@ -710,3 +710,12 @@ def test_options_that_do_not_apply_are_hidden():
     assert shown == dict(temperature=True, tau_init=True, tau_end=True, kv_observe=True, kv_pool=True,
                          kv_normalize=True)
     assert not app_logic.shown_options("greedy", "h2o")["tau_init"]
+
+
+def test_jsonable_makes_strict_json():
+    import numpy as np
+    from skipkey.quality.metrics import jsonable
+
+    value = jsonable({"a": (1, np.float32(0.5)), "b": float("nan"), 3: [float("inf"), np.int64(7)]})
+    assert value == {"a": [1, 0.5], "b": None, "3": [None, 7]}
+    json.dumps(value, allow_nan=False)
