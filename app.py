@@ -38,6 +38,7 @@ from skipkey.serving.app_logic import (
     CONTROLS,
     DEFAULT_NEW_TOKENS,
     DEFAULT_PROMPT,
+    DEFAULT_TARGET,
     MAX_NEW_TOKENS_UI,
     PRESETS,
     PREVIEW_CONTROLS,
@@ -110,9 +111,10 @@ RETRIEVAL_PROMPT = (
 # recommended query-aware options (scores from the question's queries, pooled), which keep it; with observe at
 # 0 (the paper) it loses all but "7". The tuned weights and the layer policy follow the model, not the example.
 _SKIPDECODE_ONLY = dict(max_new_tokens=DEFAULT_NEW_TOKENS, skip_on=True, set_by="target speedup",
-                        target_speedup=1.5, kv_on=False, kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=30,
+                        target_speedup=DEFAULT_TARGET, kv_on=False, kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=30,
                         kv_observe=0, kv_pool=1)
-_KEYFORMER_ONLY = dict(max_new_tokens=8, skip_on=False, set_by="target speedup", target_speedup=1.5, kv_on=True,
+_KEYFORMER_ONLY = dict(max_new_tokens=8, skip_on=False, set_by="target speedup", target_speedup=DEFAULT_TARGET,
+                       kv_on=True,
                        kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=10,
                        kv_observe=RECOMMENDED_OPTIONS["observe"], kv_pool=RECOMMENDED_OPTIONS["pool"])
 EXAMPLE_SETTINGS: Mapping[str, Mapping[str, object]] = MappingProxyType({
@@ -204,7 +206,7 @@ WIDGETS: Mapping[str, Widget] = MappingProxyType(dict(
 ))
 assert list(WIDGETS) == list(CONTROLS), "each control has one widget, in the controls' order"
 # The options each decoding mode or KV policy may hide (app_logic.shown_options says which apply).
-OPTION_CONTROLS = ("temperature", "tau_init", "tau_end", "kv_observe", "kv_pool", "kv_normalize")
+OPTION_CONTROLS = tuple(shown_options(Controls().decoding, Controls().kv_policy))
 BUDGET_CONTROLS = ("prompt", "model", "kv_on", "kv_policy", "kv_budget_pct", "kv_recent_pct")
 PRESET_CONTROLS = tuple(name for name in CONTROLS if any(name in p.changes for p in PRESETS.values()))
 
@@ -312,7 +314,7 @@ class Handlers:
         self.running = RunningRequests()
         self.figure_every, self.figure_interval, self.text_interval = figure_every, figure_interval, text_interval
         self.limits = limits if limits is not None else AppLimits.from_env()
-        self.downloads = downloads if downloads is not None else Path(tempfile.mkdtemp(prefix="skipkey-runs-"))
+        self._downloads = downloads  # made on the first download
         self.quality = quality_limit()  # read once: the target note asks on every slider move
 
     def _wait_for_model(self, model, waiting: Callable[[str], tuple], stop: threading.Event | None = None,
@@ -400,6 +402,13 @@ class Handlers:
         if not self.models.has_tuned(model):
             changes.pop("tuned", None)
         return (*(changes[n] if n in changes else gr.skip() for n in PRESET_CONTROLS), preset_cost(preset))
+
+    @property
+    def downloads(self) -> Path:
+        """The folder the runs' JSON files are saved in (a fresh temporary one unless given)."""
+        if self._downloads is None:
+            self._downloads = Path(tempfile.mkdtemp(prefix="skipkey-runs-"))
+        return self._downloads
 
     def save_run(self, full, sk, req) -> Path:
         """The run as a JSON file in this server's download folder; files older than a session's state go."""

@@ -719,3 +719,15 @@ def test_jsonable_makes_strict_json():
     value = jsonable({"a": (1, np.float32(0.5)), "b": float("nan"), 3: [float("inf"), np.int64(7)]})
     assert value == {"a": [1, 0.5], "b": None, "3": [None, 7]}
     json.dumps(value, allow_nan=False)
+
+
+def test_saved_runs_older_than_a_session_are_removed(tiny, tmp_path):
+    import os
+
+    stale = tmp_path / "skipkey-run-old.json"
+    stale.write_text("{}")
+    old = time.time() - app.STATE_TTL_S - 60
+    os.utime(stale, (old, old))
+    handlers = app.Handlers(ModelCache(lambda name: tiny, adapters={}), downloads=tmp_path)
+    saved = run(handlers, max_new_tokens=3)[-1].download
+    assert not stale.exists() and [p.name for p in tmp_path.iterdir()] == [os.path.basename(saved)]
