@@ -15,13 +15,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import json
 import logging
 import math
 import os
+import tempfile
 import threading
 import time
+import uuid
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, NamedTuple
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Callable, Mapping, NamedTuple
 
 import gradio as gr
 
@@ -32,18 +38,30 @@ from skipkey.serving.app_logic import (
     CONTROLS,
     DEFAULT_NEW_TOKENS,
     DEFAULT_PROMPT,
+    DEFAULT_TARGET,
     MAX_NEW_TOKENS_UI,
+    PRESETS,
     PREVIEW_CONTROLS,
+    REQUEST_SECONDS_ENV,
+    AppLimits,
     Controls,
     ModelCache,
     agreement_summary,
+    budget_summary,
     build_request,
+    check_prompt,
     compare,
+    preset_cost,
     preview_schedule,
     prompt_token_texts,
+    prompt_tokens,
+    quality_limit,
     recorded_step,
+    run_record,
     server_placement,
+    shown_options,
     side_metrics,
+    target_note,
     thin_history,
 )
 from skipkey.errors import InputError, ModelLoadError
@@ -86,22 +104,111 @@ RETRIEVAL_PROMPT = (
     + "".join(f"Note {i}: {_RETRIEVAL_FILLER}\n\n" for i in range(2, 7))
     + "Question: What is the code to open the archive room?\nAnswer: The code to open the archive room is"
 )
-# prompt, max new tokens, KV eviction on, KV policy, KV budget %, recent window %, observe, pool.
-# Short prompts leave a budget of a few tokens (it is a share of the prompt), so they run with the full cache.
-# In the retrieval prompt the first digit of the code comes from the prompt pass; the others need the cache
-# to still hold Note 1. The example runs Keyformer with the recommended query-aware options (scores from
-# the question's queries, pooled), which keep it; with observe at 0 (the paper) it loses all but "7".
-EXAMPLES = [
-    [DEFAULT_PROMPT, DEFAULT_NEW_TOKENS, False, "keyformer", 50, 30, 0, 1],
-    ["Here is a short story about a robot who learns to paint.\n\nOnce upon a time,", DEFAULT_NEW_TOKENS, False,
-     "keyformer", 50, 30, 0, 1],
-    ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", DEFAULT_NEW_TOKENS, False, "keyformer",
-     50, 30, 0, 1],
-    [RETRIEVAL_PROMPT, 8, True, "keyformer", 50, 10, RECOMMENDED_OPTIONS["observe"], RECOMMENDED_OPTIONS["pool"]],
-]
-EXAMPLE_LABELS = ["Colours", "Story", "Code", "Long-context retrieval (eviction matters)"]
-EXAMPLE_INPUTS = ("prompt", "max_new_tokens", "kv_on", "kv_policy", "kv_budget_pct", "kv_recent_pct", "kv_observe",
-                  "kv_pool")  # the columns above
+# Each example sets every control its method depends on, the other method's switch included, so each shows
+# one method at a time. The short prompts run SkipDecode alone at its default target: their KV budget would be
+# a few tokens (it is a share of the prompt). In the retrieval prompt the first digit of the code comes from
+# the prompt pass; the others need the cache to still hold Note 1. It runs Keyformer alone, with the
+# recommended query-aware options (scores from the question's queries, pooled), which keep it; with observe at
+# 0 (the paper) it loses all but "7". The tuned weights and the layer policy follow the model, not the example.
+_SKIPDECODE_ONLY = dict(max_new_tokens=DEFAULT_NEW_TOKENS, skip_on=True, set_by="target speedup",
+                        target_speedup=DEFAULT_TARGET, kv_on=False, kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=30,
+                        kv_observe=0, kv_pool=1)
+_KEYFORMER_ONLY = dict(max_new_tokens=8, skip_on=False, set_by="target speedup", target_speedup=DEFAULT_TARGET,
+                       kv_on=True,
+                       kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=10,
+                       kv_observe=RECOMMENDED_OPTIONS["observe"], kv_pool=RECOMMENDED_OPTIONS["pool"])
+EXAMPLE_SETTINGS: Mapping[str, Mapping[str, object]] = MappingProxyType({
+    "Photosynthesis": dict(prompt=DEFAULT_PROMPT, **_SKIPDECODE_ONLY),
+    "Story": dict(prompt="Here is a short story about a robot who learns to paint.\n\nOnce upon a time,",
+                  **_SKIPDECODE_ONLY),
+    "Code": dict(prompt="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", **_SKIPDECODE_ONLY),
+    "Long-context retrieval (eviction matters)": dict(prompt=RETRIEVAL_PROMPT, **_KEYFORMER_ONLY),
+})
+EXAMPLE_INPUTS = tuple(EXAMPLE_SETTINGS["Photosynthesis"])  # every example sets these controls, in this order
+assert all(tuple(settings) == EXAMPLE_INPUTS for settings in EXAMPLE_SETTINGS.values())
+EXAMPLE_LABELS = list(EXAMPLE_SETTINGS)
+EXAMPLES = [[settings[name] for name in EXAMPLE_INPUTS] for settings in EXAMPLE_SETTINGS.values()]
+
+LEGEND = ("**Reading the numbers.** *Nominal speedup*: the full model's layer runs per token over SkipKey's "
+          "(what SkipDecode's schedule promises). *Compute ratio*: the same for all the work a token costs, the "
+          "LM head included, which never skips. *Bytes per step*: the full model's weight and KV-cache bytes read "
+          "per step over SkipKey's (what bounds decoding on a memory-bound machine). *Measured*: the full "
+          "model's median time per token over SkipKey's, both timed in this run, step by step on one device. "
+          "Red tokens in SkipKey's text are where it differs from the full model's.")
+
+
+# -- how each control looks ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Widget:
+    """How one of the ``Controls`` appears on the page.
+
+    ``kind`` names the Gradio component (``textbox``, ``dropdown``, ``number``,
+    ``slider``, ``radio``, ``checkbox``) and ``options`` are its keyword arguments
+    beyond the range (label, element id, ...); the range and choices come from the
+    control's declaration (``app_logic.CONTROLS``). ``panel`` is the part of the page
+    it sits in (``prompt``, ``run``, ``skip``, ``kv``); widgets of a panel with the
+    same ``row`` sit side by side, rows in increasing order.
+    """
+
+    kind: str
+    panel: str
+    row: int
+    options: Mapping = field(default_factory=lambda: MappingProxyType({}))
+
+
+def _widget(kind: str, panel: str, row: int, **options) -> Widget:
+    return Widget(kind, panel, row, MappingProxyType(options))
+
+
+WIDGETS: Mapping[str, Widget] = MappingProxyType(dict(
+    prompt=_widget("textbox", "prompt", 0, label="Prompt", lines=4, max_lines=12, elem_id="prompt"),
+    model=_widget("dropdown", "run", 0, label="Model", info="the embedded Gemma 3 270M, or one from SKIPKEY_MODELS"),
+    max_new_tokens=_widget("slider", "run", 1, label="max new tokens", elem_id="max_new_tokens"),
+    decoding=_widget("radio", "run", 2, label="decoding", elem_id="decoding"),
+    temperature=_widget("slider", "run", 2, label="temperature (sampling)", elem_id="temperature"),
+    seed=_widget("number", "run", 1, label="seed", precision=0),
+    skip_on=_widget("checkbox", "skip", 0, label="on", elem_id="skip_on"),
+    layer_policy=_widget("radio", "skip", 0, label="layers",
+                         info="top = the paper's; importance = the least important layers, ranked by a prompt "
+                              "pass. Choosing a model selects the one its tuned weights were trained with"),
+    schedule=_widget("radio", "skip", 2, label="schedule", visible=False),
+    set_by=_widget("radio", "skip", 2, label="set by", elem_id="set_by",
+                   info="target speedup: the schedule shape measured best for it (python -m skipkey shapes); "
+                        "layers: your own shape"),
+    b_max=_widget("slider", "skip", 3, label="max layers (b_max)", elem_id="b_max", visible=False),
+    b_min=_widget("slider", "skip", 3, label="min layers (b_min)", elem_id="b_min", visible=False),
+    horizon=_widget("slider", "skip", 4, label="horizon T (steps)", visible=False),
+    warmup=_widget("slider", "skip", 4, label="warm-up layers", visible=False),
+    exponent=_widget("slider", "skip", 5, label="power-law exponent", visible=False),
+    target_speedup=_widget("slider", "skip", 5, label="target speedup", elem_id="target_speedup"),
+    kv_on=_widget("checkbox", "kv", 0, label="on", elem_id="kv_on",
+                  info="the budget is a share of the prompt: for long prompts"),
+    kv_policy=_widget("radio", "kv", 0, label="policy", elem_id="kv_policy"),
+    kv_budget_pct=_widget("slider", "kv", 1, label="KV budget (% of prompt)", elem_id="kv_budget_pct"),
+    kv_recent_pct=_widget("slider", "kv", 1, label="recent window (% of budget)", elem_id="kv_recent_pct"),
+    tau_init=_widget("slider", "kv", 2, label="tau init (Keyformer)", elem_id="tau_init"),
+    tau_end=_widget("slider", "kv", 2, label="tau end (Keyformer)", elem_id="tau_end"),
+    kv_observe=_widget("slider", "kv", 3, label="observe W", elem_id="kv_observe",
+                       info="h2o/keyformer/snapkv: score the prompt from its last W queries only, where the "
+                            "question is (SnapKV's observation window); 0 = every query, the paper"),
+    kv_pool=_widget("slider", "kv", 3, label="pool K", elem_id="kv_pool",
+                    info="h2o/keyformer/snapkv: max-pool prompt scores over K neighbouring tokens, so a number or "
+                         "a name is kept or dropped whole; 1 = off"),
+    kv_normalize=_widget("checkbox", "kv", 3, label="normalize", elem_id="kv_normalize",
+                         info="h2o/keyformer: divide each score by how many queries could see the token, so early "
+                              "tokens do not win just by being early"),
+    tuned=_widget("checkbox", "skip", 1, label="tuned weights", elem_id="tuned", interactive=False,
+                  info="SkipKey's side runs the model with its SkipDecode LoRA adapter, trained with its layer "
+                       "policy and schedule shapes in place (embedded model only); off: the same schedule on the "
+                       "original weights"),
+    hold=_widget("slider", "skip", 4, label="hold (steps at b_max)", visible=False,
+                 info="steps run at b_max before the decay starts; 0 = the paper's"),
+))
+assert list(WIDGETS) == list(CONTROLS), "each control has one widget, in the controls' order"
+# The options each decoding mode or KV policy may hide (app_logic.shown_options says which apply).
+OPTION_CONTROLS = tuple(shown_options(Controls().decoding, Controls().kv_policy))
+BUDGET_CONTROLS = ("prompt", "model", "kv_on", "kv_policy", "kv_budget_pct", "kv_recent_pct")
+PRESET_CONTROLS = tuple(name for name in CONTROLS if any(name in p.changes for p in PRESETS.values()))
 
 
 class ComparisonOutputs(NamedTuple):
@@ -117,6 +224,8 @@ class ComparisonOutputs(NamedTuple):
     layer_plot: object
     retention_plot: object
     step: object
+    skip_diff: object  # SkipKey's text, each token marked where it differs from the full model's
+    download: object  # the finished run as a JSON file
     last_run: object  # the session's finished run, for the step slider (not sent to API clients)
 
     @classmethod
@@ -199,10 +308,14 @@ class Handlers:
     """
 
     def __init__(self, models: ModelCache | None = None, *, figure_every: int = FIGURE_EVERY,
-                 figure_interval: float = FIGURE_INTERVAL, text_interval: float = TEXT_INTERVAL):
+                 figure_interval: float = FIGURE_INTERVAL, text_interval: float = TEXT_INTERVAL,
+                 limits: AppLimits | None = None, downloads: Path | None = None):
         self.models = models if models is not None else ModelCache()
         self.running = RunningRequests()
         self.figure_every, self.figure_interval, self.text_interval = figure_every, figure_interval, text_interval
+        self.limits = limits if limits is not None else AppLimits.from_env()
+        self._downloads = downloads  # made on the first download
+        self.quality = quality_limit()  # read once: the target note asks on every slider move
 
     def _wait_for_model(self, model, waiting: Callable[[str], tuple], stop: threading.Event | None = None,
                         tuned: bool = False):
@@ -235,6 +348,9 @@ class Handlers:
     def select_model(self, model):
         """Load the chosen model (with progress); fit the layer sliders, the tuned toggle and the layer
         policy (the one its adapter was trained with) to it."""
+        return (yield from status_on_error(self._select_model(model), ModelOutputs.status_only))
+
+    def _select_model(self, model):
         loaded = yield from self._wait_for_model(model, ModelOutputs.status_only)
         L = loaded.num_layers
         has_tuned, policy = self.models.has_tuned(model), self.models.policy(model)
@@ -264,8 +380,52 @@ class Handlers:
             return figures.message_figure(str(error), 220)
         return figures.schedule_figure(schedule, loaded.num_layers, steps)
 
+    def prompt_summary(self, controls: Controls) -> str:
+        """The prompt's token count and the KV budget in tokens, with a warning where the budget is all window."""
+        loaded = self.models.loaded(controls.model) if isinstance(controls.model, str) else None
+        if loaded is None or not isinstance(controls.prompt, str):
+            return "The prompt's token count appears once the model is loaded."
+        return budget_summary(prompt_tokens(loaded, controls.prompt), controls)
+
+    def target_note(self, target) -> str:
+        """Under the target-speedup slider: where the measured quality falls below its goals."""
+        return target_note(target, self.quality)
+
+    def apply_preset(self, name, model):
+        """The controls a preset sets, in ``PRESET_CONTROLS`` order, then its expected-cost line.
+
+        The tuned weights stay off for a model without an adapter."""
+        preset = PRESETS.get(name)
+        if preset is None:
+            return (*(gr.skip() for _ in PRESET_CONTROLS), "")
+        changes = dict(preset.changes)
+        if not self.models.has_tuned(model):
+            changes.pop("tuned", None)
+        return (*(changes[n] if n in changes else gr.skip() for n in PRESET_CONTROLS), preset_cost(preset))
+
+    @property
+    def downloads(self) -> Path:
+        """The folder the runs' JSON files are saved in (a fresh temporary one unless given)."""
+        if self._downloads is None:
+            self._downloads = Path(tempfile.mkdtemp(prefix="skipkey-runs-"))
+        return self._downloads
+
+    def save_run(self, full, sk, req) -> Path:
+        """The run as a JSON file in this server's download folder; files older than a session's state go."""
+        cutoff = time.time() - STATE_TTL_S
+        for old in self.downloads.glob("skipkey-run-*.json"):
+            with contextlib.suppress(OSError):
+                if old.stat().st_mtime < cutoff:
+                    old.unlink()
+        path = self.downloads / f"skipkey-run-{uuid.uuid4().hex[:12]}.json"
+        path.write_text(json.dumps(run_record(full, sk, req), indent=1, allow_nan=False))
+        return path
+
     def compare(self, controls: Controls, request: gr.Request = None):
         """Stream the full model and SkipKey side by side, with metrics and both heatmaps."""
+        return (yield from status_on_error(self._compare(controls, request), ComparisonOutputs.status_only))
+
+    def _compare(self, controls: Controls, request: gr.Request = None):
         model = controls.model
         stop = threading.Event()
         session = _session(request)
@@ -275,8 +435,9 @@ class Handlers:
             loaded = yield from self._wait_for_model(model, ComparisonOutputs.status_only, stop=stop)
             if loaded is None:
                 return
-            try:
+            try:  # all of it before the panes are cleared: a refused request leaves the last run in view
                 req = build_request(loaded.num_layers, controls, self.models.shapes(model))
+                prompt_count = check_prompt(loaded, req.prompt, req.settings.max_new_tokens, self.limits)
             except InputError as error:
                 raise _user_error(str(error)) from None
             tuned_model = None
@@ -290,12 +451,17 @@ class Handlers:
                 skip_text="", skip_metrics="", skip_html="", agreement="",
                 layer_plot=figures.message_figure("Layer usage appears with the first token."),
                 retention_plot=figures.message_figure("Retained tokens appear once the prompt is processed."),
-                step=gr.update(visible=False), last_run=None)
+                step=gr.update(visible=False), skip_diff=[], download=None, last_run=None)
             prompt_texts = None
             last_text = last_figure = 0.0
             drawn = 0
+            deadline = time.perf_counter() + self.limits.request_seconds
+            timed_out = False
             try:
                 for full, sk in compare(loaded, req, stop, tuned=tuned_model):
+                    if not timed_out and time.perf_counter() > deadline:
+                        timed_out = True
+                        stop.set()  # both sides end after this step; what they made is kept
                     if prompt_texts is None:
                         prompt_texts = prompt_token_texts(loaded, req.prompt)
                     # Fast devices make tokens faster than a browser can draw them: send text at most
@@ -316,9 +482,15 @@ class Handlers:
                 raise _user_error(f"Generation failed: {type(error).__name__}: {error}") from None
             if not full.events:
                 return
-            word = "Stopped" if sk.stopped else "Done"
+            if timed_out:
+                word = (f"Stopped at the time limit of {self.limits.request_seconds:g} s a request "
+                        f"({REQUEST_SECONDS_ENV})")
+            else:
+                word = "Stopped" if sk.stopped else "Done"
             yield comparison_outputs(full, sk, loaded, prompt_texts, redraw=True, final=True)._replace(
-                status=f"**{word}**: {len(full.events)} + {len(sk.events)} tokens. {req.describe()}.{req.hint()}")
+                status=f"**{word}**: {len(full.events)} + {len(sk.events)} tokens from a {prompt_count}-token "
+                       f"prompt. {req.describe()}.{req.hint()}",
+                download=str(self.save_run(full, sk, req)))
         finally:
             stop.set()
             if session is not None:
@@ -329,6 +501,24 @@ class Handlers:
         session = _session(request)
         stopped = self.running.stop(session) if session is not None else 0
         return "**Stopped.**" if stopped else gr.skip()
+
+
+def status_on_error(stream, status_only: Callable[[str], tuple]):
+    """A handler's updates; on a gr.Error, one more setting the status line to it, then the error itself.
+
+    The page shows both, and the status no longer says "Loading" or "Generating".
+    """
+    try:
+        return (yield from stream)
+    except gr.Error as error:
+        yield status_only(f"**Refused:** {error.message}")
+        raise
+
+
+def option_visibility(decoding, kv_policy):
+    """Show only the options the decoding mode and the KV policy use, in ``OPTION_CONTROLS`` order."""
+    shown = shown_options(decoding, kv_policy)
+    return tuple(gr.update(visible=shown[name]) for name in OPTION_CONTROLS)
 
 
 def schedule_controls(schedule, set_by):
@@ -370,7 +560,7 @@ def comparison_outputs(full, sk, loaded, prompt_texts, *, redraw: bool, final: b
         agreement=agreement_summary(full, sk, loaded.tokenizer, final=final),
         layer_plot=figures.layer_usage_figure(sk) if redraw else skip,
         retention_plot=figures.retention_figure(sk, position_texts=prompt_texts) if redraw else skip,
-        step=step_update, last_run=state)
+        step=step_update, skip_diff=figures.token_diff(full, sk, pending=not final), download=skip, last_run=state)
 
 
 # -- the page ----------------------------------------------------------------------------------
@@ -379,19 +569,20 @@ COMPONENTS = {"textbox": gr.Textbox, "dropdown": gr.Dropdown, "number": gr.Numbe
 
 
 def control_panel(panel: str, defaults: Controls, overrides: dict[str, dict]) -> dict[str, gr.components.Component]:
-    """The components of one panel of ``Controls``, row by row, each from its declaration, valued ``defaults``."""
+    """The components of one panel, row by row: each control's widget (``WIDGETS``) with its declared range
+    (``CONTROLS``), valued ``defaults``."""
     made = {}
-    names = [name for name, control in CONTROLS.items() if control.panel == panel]
-    for row in sorted({CONTROLS[name].row for name in names}):
-        in_row = [name for name in names if CONTROLS[name].row == row]
+    names = [name for name, widget in WIDGETS.items() if widget.panel == panel]
+    for row in sorted({WIDGETS[name].row for name in names}):
+        in_row = [name for name in names if WIDGETS[name].row == row]
         with gr.Row() if len(in_row) > 1 else contextlib.nullcontext():
             for name in in_row:
-                control = CONTROLS[name]
-                options = {"value": getattr(defaults, name), **control.options,
+                widget = WIDGETS[name]
+                options = {"value": getattr(defaults, name), **CONTROLS[name].bounds(), **widget.options,
                            **overrides.get(name, {})}
                 if "choices" in options:
                     options["choices"] = list(options["choices"])
-                made[name] = COMPONENTS[control.kind](**options)
+                made[name] = COMPONENTS[widget.kind](**options)
     return made
 
 
@@ -434,7 +625,9 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
     """The page: the ``Controls`` laid out by panel, wired to ``handlers`` (default: the allowed models)."""
     handlers = handlers if handlers is not None else Handlers()
     defaults = handlers.defaults()
-    overrides = {"model": dict(choices=list(handlers.models.allowed))}
+    shown = shown_options(defaults.decoding, defaults.kv_policy)
+    overrides = {"model": dict(choices=list(handlers.models.allowed)),
+                 **{name: dict(visible=shown[name]) for name in OPTION_CONTROLS}}
     with gr.Blocks(title="SkipKey: faster decoding, and why") as demo:
         gr.Markdown("# SkipKey\nThe full model and SkipKey decode the same prompt, interleaved step by step on "
                     "one device. **SkipDecode** runs fewer layers per token (early exit, nested layer sets); "
@@ -444,15 +637,21 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
         with gr.Row():
             with gr.Column(scale=3):
                 c = control_panel("prompt", defaults, overrides)
+                prompt_info = gr.Markdown(elem_id="prompt_info")
                 with gr.Row():
                     generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
             with gr.Column(scale=2):
                 c |= control_panel("run", defaults, overrides)
         with gr.Row():
+            preset = gr.Radio(list(PRESETS), value=None, label="Presets", elem_id="preset", scale=2)
+            preset_note = gr.Markdown("Pick a preset: each sets one method at its recommended setting and says "
+                                      "what it is expected to cost.", elem_id="preset_cost")
+        with gr.Row():
             with gr.Column():
                 with gr.Accordion("SkipDecode: fewer layers per token", open=True):
                     c |= control_panel("skip", defaults, overrides)
+                    target_md = gr.Markdown(handlers.target_note(defaults.target_speedup), elem_id="target_note")
                     preview = gr.Plot(label="schedule preview", elem_id="schedule_preview")
             with gr.Column():
                 with gr.Accordion("KV cache: keep a budget of key tokens", open=True):
@@ -467,8 +666,14 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
             with gr.Column():
                 skip_text = gr.Textbox(label="SkipKey", lines=8, max_lines=16, interactive=False,
                                        elem_id="skip_text", elem_classes="side-text")
+                skip_diff = gr.HighlightedText(label="SkipKey against the full model", elem_id="skip_diff",
+                                               combine_adjacent=False, show_legend=True,
+                                               color_map={figures.DIFFERS: "red"})
                 skip_metrics = gr.Markdown(label="SkipKey metrics", elem_id="skip_metrics")
         agreement_md = gr.Markdown(label="agreement", elem_id="agreement")
+        with gr.Row():
+            gr.Markdown(LEGEND, elem_id="legend")
+            download = gr.DownloadButton("Download this run (JSON)", value=None, elem_id="download", scale=0)
         skip_html = gr.HTML(label="SkipKey text by layers used", elem_id="skip_layers")
         layer_plot = gr.Plot(label="Layer usage", elem_id="layer_plot")
         retention_plot = gr.Plot(label="Retained tokens", elem_id="retention_plot")
@@ -477,7 +682,7 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
         assert set(c) == set(CONTROLS), f"controls without a panel: {set(CONTROLS) - set(c)}"
 
         outputs = ComparisonOutputs(status, full_text, full_metrics, skip_text, skip_metrics, skip_html,
-                                    agreement_md, layer_plot, retention_plot, step, last_run)
+                                    agreement_md, layer_plot, retention_plot, step, skip_diff, download, last_run)
         # preprocess=False: raw values reach the one edge (build_request), which checks them all,
         # also for API clients whose values no slider bounds.
         compare_fn = controls_function(handlers.compare, tuple(CONTROLS), request=True, defaults=defaults)
@@ -488,24 +693,38 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
                        api_visibility="undocumented")
         preview_fn = controls_function(handlers.schedule_preview, PREVIEW_CONTROLS, defaults=defaults)
         preview_inputs = [c[name] for name in PREVIEW_CONTROLS]
+        summary_fn = controls_function(handlers.prompt_summary, BUDGET_CONTROLS, defaults=defaults)
+        summary_inputs = [c[name] for name in BUDGET_CONTROLS]
         model_outputs = list(ModelOutputs(status, *(c[name] for name in ModelOutputs._fields[1:])))
         (c["model"].change(handlers.select_model, c["model"], model_outputs, api_name="select_model",
                            concurrency_id="model", concurrency_limit=concurrency_limit, preprocess=False,
                            show_progress="hidden")
          .then(preview_fn, preview_inputs, preview, api_name="preview_after_model_change",
-               api_visibility="private", preprocess=False))
+               api_visibility="private", preprocess=False)
+         .then(summary_fn, summary_inputs, prompt_info, api_visibility="private", preprocess=False))
         (demo.load(handlers.select_model, c["model"], model_outputs, api_name="load_default_model",
                    api_visibility="private", preprocess=False, show_progress="hidden")
          .then(preview_fn, preview_inputs, preview, api_name="preview_after_load",
-               api_visibility="private", preprocess=False))
+               api_visibility="private", preprocess=False)
+         .then(summary_fn, summary_inputs, prompt_info, api_visibility="private", preprocess=False))
         gr.on([component.change for name, component in zip(PREVIEW_CONTROLS, preview_inputs) if name != "model"],
               preview_fn, preview_inputs, preview, api_name="schedule_preview", preprocess=False, queue=False,
               show_progress="hidden", trigger_mode="always_last")
+        gr.on([c[name].change for name in BUDGET_CONTROLS if name != "model"], summary_fn, summary_inputs,
+              prompt_info, api_visibility="private", preprocess=False, queue=False, show_progress="hidden",
+              trigger_mode="always_last")
         gr.on([c["schedule"].change, c["set_by"].change], schedule_controls, [c["schedule"], c["set_by"]],
               [c[name] for name in ("schedule", "b_max", "b_min", "horizon", "warmup", "hold", "exponent",
                                     "target_speedup")],
               queue=False,
               api_visibility="private")
+        gr.on([c["decoding"].change, c["kv_policy"].change], option_visibility, [c["decoding"], c["kv_policy"]],
+              [c[name] for name in OPTION_CONTROLS], queue=False, api_visibility="private", show_progress="hidden")
+        c["target_speedup"].change(handlers.target_note, c["target_speedup"], target_md, queue=False,
+                                   api_visibility="private", show_progress="hidden", trigger_mode="always_last")
+        preset.input(handlers.apply_preset, [preset, c["model"]], [*(c[name] for name in PRESET_CONTROLS),
+                                                                   preset_note],
+                     queue=False, api_visibility="private", show_progress="hidden")
         step.release(retention_at_step, [last_run, step], retention_plot, api_visibility="private",
                      show_progress="hidden")
 
@@ -525,14 +744,15 @@ def launch(demo: gr.Blocks, **kwargs):
 
 def main() -> None:
     logging.basicConfig()  # warnings and errors; request failures are logged with their traceback
-    try:
-        server_placement()  # a bad SKIPKEY_DEVICE_MAP / _MAX_MEMORY / _OFFLOAD_DIR stops the server at start
+    try:  # a bad placement variable or limit stops the server at start, saying which
+        server_placement()
+        limits = AppLimits.from_env()
     except InputError as error:
         raise SystemExit(f"error: {error}") from None
     models = ModelCache()
     models.future(models.default)  # start loading now: the first request should not wait from scratch
     kernels.build_in_background()  # and compiling the fused CPU kernels, where a compiler is installed
-    launch(build_demo(Handlers(models)))
+    launch(build_demo(Handlers(models, limits=limits)))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import dataclasses
 import gc
 import importlib.util
 import inspect
+import json
+import re
 import threading
 import time
 
@@ -19,7 +21,8 @@ from skipkey.serving.app_logic import Controls, ModelCache, allowed_models, buil
 from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv.policies import KeyformerPolicy, StreamingPolicy
+from skipkey.kv.policies import RECOMMENDED_OPTIONS, KeyformerPolicy, StreamingPolicy
+from skipkey.quality import figures
 from skipkey.skipdecode.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule, ScheduleShape, measured_best_shape
 from skipkey.core.trace import Trace
 
@@ -250,7 +253,8 @@ def test_closing_the_comparison_closes_both_engine_loops(tiny):
 def test_compare_streams_then_returns_everything(handlers):
     outputs = run(handlers, max_new_tokens=12)
     assert "Generating" in outputs[0].status
-    status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, state = outputs[-1]
+    (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, diff, download,
+     state) = outputs[-1]
     assert status.startswith("**Done**") and full_text and skip_text
     assert "tokens/s" in full_md and "ms/token" in full_md and "first token" in full_md and "MB" in full_md
     assert "layers/token" in skip_md and "nominal speedup" in skip_md and "measured" in skip_md
@@ -523,3 +527,217 @@ def test_which_side_steps_first_is_balanced_whatever_the_redraw_cadence():
         firsts = [step_order(r + 1)[0] for r in range(0, 256 * cadence, cadence)]  # the round after each update
         assert abs(sum(firsts) / len(firsts) - 0.5) < 0.1, cadence
     assert all(sorted(step_order(r)) == [0, 1] for r in range(64))
+
+
+# -- the first five minutes ---------------------------------------------------------------
+def test_serving_declares_ranges_and_the_page_declares_widgets():
+    assert list(app.WIDGETS) == list(app_logic.CONTROLS)
+    page_words = {"kind", "label", "elem_id", "panel", "row", "info", "visible"}
+    assert not page_words & {f.name for f in dataclasses.fields(app_logic.Control)}, "serving knows no widgets"
+    assert app_logic.CONTROLS["kv_budget_pct"].bounds() == dict(minimum=1, maximum=100, step=1)
+    assert app.WIDGETS["prompt"].kind == "textbox" and app.WIDGETS["target_speedup"].panel == "skip"
+
+
+def test_each_example_sets_its_controls_and_shows_one_method(tiny):
+    for label, settings in app.EXAMPLE_SETTINGS.items():
+        assert tuple(settings) == app.EXAMPLE_INPUTS, label
+        assert settings["skip_on"] != settings["kv_on"], f"{label} shows one method"
+        request = build_request(6, dataclasses.replace(Controls(), **settings, layer_policy="top"), shapes=None)
+        assert (request.skip is None) == (not settings["skip_on"]) and (request.kv is None) == (not settings["kv_on"])
+    retrieval = app.EXAMPLE_SETTINGS["Long-context retrieval (eviction matters)"]
+    assert retrieval["kv_on"] and not retrieval["skip_on"] and retrieval["kv_policy"] == "keyformer"
+    assert (retrieval["kv_observe"], retrieval["kv_pool"]) == (RECOMMENDED_OPTIONS["observe"],
+                                                               RECOMMENDED_OPTIONS["pool"])
+    assert sum(s["kv_on"] for s in app.EXAMPLE_SETTINGS.values()) == 1
+    assert app.EXAMPLES[0][0] == app.DEFAULT_PROMPT and len(app.EXAMPLES) == len(app.EXAMPLE_LABELS)
+
+
+def test_each_preset_builds_a_request_for_its_methods():
+    for preset in app_logic.PRESETS.values():
+        request = build_request(6, dataclasses.replace(Controls(layer_policy="top"), **preset.changes))
+        assert (request.skip is not None) == (preset.skip_target is not None), preset.name
+        assert (request.kv is not None) == (preset.kv_row is not None), preset.name
+        if preset.skip_target is not None:  # the cost line quotes the target the preset runs
+            assert preset.changes["target_speedup"] == preset.skip_target
+            assert preset.changes["set_by"] == "target speedup"
+    assert {"SkipDecode 1.5x (tuned)", "SkipDecode 2x (tuned)", "Keyformer 50% (query-aware)",
+            "Keyformer 50% (paper)", "both"} == set(app_logic.PRESETS)
+    query_aware = app_logic.PRESETS["Keyformer 50% (query-aware)"].changes
+    assert (query_aware["kv_observe"], query_aware["kv_pool"]) == tuple(RECOMMENDED_OPTIONS.values())
+
+
+def test_preset_costs_quote_the_results_files():
+    results = json.loads((app_logic.RESULTS_DIR / app_logic.SKIP_QUALITY_FILE).read_text())
+    policy = results["adapter"]["schedule"]["policy"]
+    row = next(r for r in results["tuned"] if r["label"] == f"{policy} 2.0x tuned")
+    line = app_logic.preset_cost(app_logic.PRESETS["SkipDecode 2x (tuned)"])
+    assert f"next-token accuracy {row['next_token_accuracy']:.2f}" in line and app_logic.SKIP_QUALITY_FILE in line
+    kv = json.loads((app_logic.RESULTS_DIR / app_logic.KV_QUALITY_FILE).read_text())
+    paper = next(r for r in kv["kv_agreement"] if r["label"] == "keyformer 50%")
+    line = app_logic.preset_cost(app_logic.PRESETS["Keyformer 50% (paper)"])
+    assert f"PPL {paper['ppl_of_full_continuations']:.2f}" in line and "\n" not in line
+    both = app_logic.preset_cost(app_logic.PRESETS["both"])
+    assert app_logic.SKIP_QUALITY_FILE in both and app_logic.KV_QUALITY_FILE in both
+
+
+def test_a_preset_without_its_results_says_so(tmp_path):
+    line = app_logic.preset_cost(app_logic.PRESETS["both"], results_dir=tmp_path)
+    assert line.count("not measured") == 2
+
+
+def test_apply_preset_sets_its_controls_and_keeps_tuned_off_without_an_adapter(handlers, tiny):
+    names = app.PRESET_CONTROLS
+    values = handlers.apply_preset("Keyformer 50% (query-aware)", "embedded")
+    assert len(values) == len(names) + 1 and "Expected cost" in values[-1]
+    chosen = dict(zip(names, values))
+    assert chosen["kv_on"] is True and chosen["skip_on"] is False
+    assert chosen["kv_observe"] == RECOMMENDED_OPTIONS["observe"]
+    with_adapter = dict(zip(names, handlers.apply_preset("SkipDecode 2x (tuned)", "embedded")))
+    assert with_adapter["tuned"] is True and with_adapter["target_speedup"] == 2.0
+    without = app.Handlers(ModelCache(lambda name: tiny, adapters={}))
+    assert dict(zip(names, without.apply_preset("SkipDecode 2x (tuned)", "embedded")))["tuned"] == gr.skip()
+
+
+def write_tuned_table(directory, rows):
+    directory.mkdir(exist_ok=True)
+    table = [dict(label=f"top {t}x tuned", policy="top", target=t, **measures) for t, measures in rows]
+    (directory / "eval.json").write_text(json.dumps(dict(adapter=dict(schedule=dict(policy="top")), tuned=table)))
+
+
+GOOD = dict(next_token_accuracy=0.9, ppl_of_full_continuations=2.0, rouge_l=0.8, first_divergence_median=30)
+
+
+def test_the_quality_limit_is_the_last_target_that_meets_its_goals(tmp_path):
+    limit = app_logic.quality_limit()  # the committed table
+    assert limit is not None and limit.target >= 1.5 and limit.source == app_logic.SKIP_QUALITY_FILE
+    write_tuned_table(tmp_path, [(1.5, GOOD), (2.0, GOOD), (3.0, dict(GOOD, ppl_of_full_continuations=6.0))])
+    limit = app_logic.quality_limit(tmp_path, "eval.json")
+    assert (limit.target, limit.past) == (2.0, 3.0) and limit.misses == ("PPL 6 > 5",)
+    assert "⚠" in app_logic.target_note(2.05, limit) and "⚠" not in app_logic.target_note(2.0, limit)
+    write_tuned_table(tmp_path, [(1.5, dict(GOOD, rouge_l=0.5)), (2.0, GOOD)])
+    limit = app_logic.quality_limit(tmp_path, "eval.json")
+    assert (limit.target, limit.past) == (1.0, 1.5), "the first failing target ends the good range"
+    write_tuned_table(tmp_path, [(1.5, GOOD), (2.0, GOOD)])
+    assert app_logic.quality_limit(tmp_path, "eval.json").past is None
+    assert app_logic.quality_limit(tmp_path, "missing.json") is None
+    assert app_logic.target_note(9.0, None) == ""
+
+
+def test_the_diff_marks_exactly_the_tokens_that_differ(tiny):
+    settings = GenerationSettings(max_new_tokens=12)
+    full = Trace.collect(Engine(tiny), [PROMPTS[2]], settings)
+    skipped = Trace.collect(Engine(tiny, skip=request_for(b_min=1 + 1, b_max=2).skip), [PROMPTS[2]], settings)
+    spans = figures.token_diff(full, skipped)
+    assert "".join(text for text, _ in spans) == skipped.text()
+    expected = [a != b for a, b in zip(full.tokens(), skipped.tokens())]
+    assert [label == figures.DIFFERS for _, label in spans] == expected
+    assert any(expected), "a 2-of-6-layer run should leave the full model somewhere"
+    assert all(label is None for _, label in figures.token_diff(full, full))
+    short = dataclasses.replace(full, events=full.events[:5])
+    assert [label for _, label in figures.token_diff(short, full)][5:] == [figures.DIFFERS] * 7
+    assert all(label is None for _, label in figures.token_diff(short, full, pending=True)[5:])
+
+
+def test_the_run_record_is_json_with_both_texts(tiny):
+    req = request_for(max_new_tokens=6)
+    *_, (full, sk) = compare(tiny, req)
+    record = json.loads(json.dumps(app_logic.run_record(full, sk, req), allow_nan=False))
+    assert record["full"]["text"] == full.text() and record["skipkey"]["text"] == sk.text()
+    assert len(record["skipkey"]["trace"]["events"]) == len(sk.events) == 6
+    assert record["skipkey"]["metrics"]["compute"]["mean_layers"] > 0 and record["prompt"] == req.prompt
+    assert "kept" not in record["skipkey"]["trace"]["events"][0]
+
+
+def test_a_finished_run_offers_its_download(handlers):
+    final = run(handlers, max_new_tokens=6)[-1]
+    record = json.loads(open(final.download).read())
+    assert record["full"]["text"] == final.full_text and record["skipkey"]["text"] == final.skip_text
+    assert any(label == figures.DIFFERS for _, label in final.skip_diff) == (final.full_text != final.skip_text)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(prompt=""), "the prompt is empty"),
+    (dict(prompt=PROMPTS[2] * 2), "this server takes at most 100 (allowed: 1..100 prompt tokens"),
+    (dict(prompt=PROMPTS[2] * 20), "exceeds the model's context of 1024 tokens"),
+])
+def test_a_refused_prompt_keeps_the_last_run_and_resets_the_status(tiny, changes, message):
+    handlers = app.Handlers(ModelCache(lambda name: tiny, adapters={}),
+                            limits=app_logic.AppLimits(max_prompt_tokens=100))
+    assert run(handlers)[-1].status.startswith("**Done**")
+    stream = handlers.compare(dataclasses.replace(CONTROLS, **changes))
+    seen = []
+    with pytest.raises(gr.Error) as error:
+        for outputs in stream:
+            seen.append(outputs)
+    assert message in error.value.message
+    assert seen and seen[-1].status.startswith("**Refused:**") and message in seen[-1].status
+    assert all(o.full_text == gr.skip() for o in seen), "the panes are cleared only for a run that starts"
+    assert run(handlers)[-1].status.startswith("**Done**"), "the app keeps serving"
+
+
+def test_a_run_past_the_time_limit_is_stopped_and_says_so(tiny):
+    handlers = app.Handlers(ModelCache(lambda name: tiny, adapters={}), text_interval=0,
+                            limits=app_logic.AppLimits(request_seconds=0.001))
+    final = run(handlers, max_new_tokens=200)[-1]
+    assert "time limit" in final.status and app_logic.REQUEST_SECONDS_ENV in final.status
+    assert 0 < len(final.last_run[0].events) < 200 and "Done" not in final.status
+    assert len(handlers.running) == 0
+
+
+def test_the_limits_come_from_the_environment():
+    env = {app_logic.MAX_PROMPT_TOKENS_ENV: "300", app_logic.REQUEST_SECONDS_ENV: "12.5"}
+    assert app_logic.AppLimits.from_env(env) == app_logic.AppLimits(300, 12.5)
+    assert app_logic.AppLimits.from_env({}) == app_logic.AppLimits()
+    for bad, words in (({app_logic.MAX_PROMPT_TOKENS_ENV: "0"}, "1..10000000"),
+                       ({app_logic.MAX_PROMPT_TOKENS_ENV: "many"}, "not a number"),
+                       ({app_logic.REQUEST_SECONDS_ENV: "-1"}, "(0, 86400]")):
+        with pytest.raises(InputError, match=re.escape(words)):
+            app_logic.AppLimits.from_env(bad)
+
+
+def test_the_budget_line_counts_tokens_and_warns_when_only_the_window_is_kept():
+    on = dataclasses.replace(Controls(), kv_on=True, kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=30)
+    line = app_logic.budget_summary(100, on)
+    assert "**100** tokens" in line and "**50** tokens" in line and "**15**" in line and "⚠" not in line
+    assert "⚠" in app_logic.budget_summary(100, dataclasses.replace(on, kv_recent_pct=100))
+    assert "⚠" in app_logic.budget_summary(4, dataclasses.replace(on, kv_budget_pct=25, kv_recent_pct=100))
+    assert "⚠" not in app_logic.budget_summary(100, dataclasses.replace(on, kv_policy="window", kv_recent_pct=100))
+    assert "full KV cache" in app_logic.budget_summary(100, Controls(kv_on=False))
+    assert "KV budget must be" in app_logic.budget_summary(100, dataclasses.replace(on, kv_budget_pct="x"))
+
+
+def test_the_prompt_line_uses_the_engines_count(handlers, tiny):
+    handlers.models.get("embedded")
+    controls = dataclasses.replace(Controls(), prompt=PROMPTS[0])
+    count = len(Engine(tiny).encode([PROMPTS[0]], 8)[0])
+    assert f"**{count}** tokens" in handlers.prompt_summary(controls)
+
+
+def test_options_that_do_not_apply_are_hidden():
+    hidden = [update["visible"] for update in app.option_visibility("greedy", "tova")]
+    assert hidden == [False] * len(app.OPTION_CONTROLS)
+    shown = dict(zip(app.OPTION_CONTROLS, (u["visible"] for u in app.option_visibility("sample", "keyformer"))))
+    assert shown == dict(temperature=True, tau_init=True, tau_end=True, kv_observe=True, kv_pool=True,
+                         kv_normalize=True)
+    assert not app_logic.shown_options("greedy", "h2o")["tau_init"]
+
+
+def test_jsonable_makes_strict_json():
+    import numpy as np
+    from skipkey.quality.metrics import jsonable
+
+    value = jsonable({"a": (1, np.float32(0.5)), "b": float("nan"), 3: [float("inf"), np.int64(7)]})
+    assert value == {"a": [1, 0.5], "b": None, "3": [None, 7]}
+    json.dumps(value, allow_nan=False)
+
+
+def test_saved_runs_older_than_a_session_are_removed(tiny, tmp_path):
+    import os
+
+    stale = tmp_path / "skipkey-run-old.json"
+    stale.write_text("{}")
+    old = time.time() - app.STATE_TTL_S - 60
+    os.utime(stale, (old, old))
+    handlers = app.Handlers(ModelCache(lambda name: tiny, adapters={}), downloads=tmp_path)
+    saved = run(handlers, max_new_tokens=3)[-1].download
+    assert not stale.exists() and [p.name for p in tmp_path.iterdir()] == [os.path.basename(saved)]

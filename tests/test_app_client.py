@@ -57,11 +57,16 @@ def test_endpoints_are_named(client):
 
 
 def test_a_full_comparison_returns_both_texts_and_both_figures(client, tiny):
-    status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step = compare(client)
+    (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, diff,
+     download) = compare(client)
     assert status.startswith("**Done**") and full_text and skip_text
     solo = Trace.collect(Engine(tiny), [PROMPTS[0]], GenerationSettings(max_new_tokens=8))
     assert full_text == solo.text()
     assert "tokens/s" in full_md and "layers/token" in skip_md and "Agreement" in agree
+    with open(download) as saved:  # the client fetched the run's JSON file
+        record = json.load(saved)
+    assert record["full"]["text"] == full_text and record["skipkey"]["text"] == skip_text
+    assert [span["token"] for span in diff] == [event["texts"][0] for event in record["skipkey"]["trace"]["events"]]
     for fig in (layer_fig, retention_fig):
         assert fig["type"] == "plotly"
         assert json.loads(fig["plot"])["data"][0]["type"] == "heatmap"

@@ -1,17 +1,19 @@
 """The app in a real browser: Debian's chromium driven by Python playwright.
 
-Open the page, move a slider (the schedule preview redraws), Generate, wait for
-both texts and both heatmaps to exist as rendered Plotly graphs, then Stop a
-second run and save a screenshot.
+Open the page, click each example (it sets every control its method needs), move
+a slider (the schedule preview redraws), Generate, wait for both texts and both
+heatmaps to exist as rendered Plotly graphs, see SkipKey's differing tokens
+marked, download the run as JSON, then Stop a second run and save a screenshot.
 
 CI runs it on a tiny model. ``SKIPKEY_SCREENSHOT=assets/screenshot.png`` runs it
-on the embedded model instead and saves the README's screenshot there:
+on the embedded model instead, at the page's defaults, and saves the README's screenshot there:
 
     SKIPKEY_SCREENSHOT=assets/screenshot.png .venv/bin/python -m pytest tests/test_browser.py -q
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -76,6 +78,58 @@ def plotted(page, elem_id: str) -> bool:
     return page.locator(f"#{elem_id} .js-plotly-plot .main-svg").count() > 0
 
 
+def slider_value(page, elem_id: str) -> float:
+    return float(page.locator(f"#{elem_id} input[type=number]").input_value())
+
+
+def checked(page, elem_id: str) -> bool:
+    return page.locator(f"#{elem_id} input[type=checkbox]").is_checked()
+
+
+def radio_value(page, elem_id: str) -> str:
+    return page.locator(f"#{elem_id} input[type=radio]:checked").get_attribute("value")
+
+
+def page_values(page, settings) -> dict:
+    """What the page shows for each control an example sets (hidden ones: None)."""
+    shown = {}
+    for name, wanted in settings.items():
+        if not page.locator(f"#{name}").is_visible():
+            shown[name] = None
+        elif name == "prompt":
+            shown[name] = page.locator("#prompt textarea").input_value()
+        elif isinstance(wanted, bool):
+            shown[name] = checked(page, name)
+        elif isinstance(wanted, str):
+            shown[name] = radio_value(page, name)
+        else:
+            shown[name] = slider_value(page, name)
+    return shown
+
+
+def click_example(page, label: str, settings) -> None:
+    """Click an example, then wait until every control it sets shows its value."""
+    page.get_by_text(label, exact=True).first.click()
+    wanted = {name: (float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value)
+              for name, value in settings.items()}
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        shown = page_values(page, settings)
+        if all(shown[name] in (None, value) for name, value in wanted.items()):
+            break
+        time.sleep(0.25)
+    assert {n: v for n, v in shown.items() if v is not None} == {n: v for n, v in wanted.items()
+                                                                if shown[n] is not None}, label
+    # Hidden controls may only be the options of the method the example turns off.
+    assert all(settings["kv_on"] is False or name not in ("kv_observe", "kv_pool")
+               for name, value in shown.items() if value is None), label
+
+
+def differing_tokens(page) -> int:
+    """Tokens the diff view marks (Gradio's HighlightedText: a labelled token is ``.token.highlighted``)."""
+    return page.locator("#skip_diff .token.highlighted").count()
+
+
 def texts_still(page, seconds: float) -> bool:
     """Whether neither text changes over ``seconds``."""
     before = (text_of(page, "full_text"), text_of(page, "skip_text"))
@@ -99,9 +153,30 @@ def test_compare_and_stop_in_chromium(served, page, tmp_path):
     status = page.locator("#status")
     wait_until(lambda: "ready" in status.inner_text(), 60 * slow, "the model to load")
 
-    if SCREENSHOT:  # the picture: the long-context retrieval example, where eviction matters
-        page.get_by_text("Long-context retrieval").first.click()
-        wait_until(lambda: "archive room" in page.locator("#prompt textarea").input_value(), 10, "the example")
+    import app
+
+    # 1. Each example sets every control it depends on: one method at a time.
+    if not SCREENSHOT:
+        # A preset sets its controls and says what it costs, from the results files.
+        page.locator("#preset label", has_text="Keyformer 50% (query-aware)").click()
+        wait_until(lambda: "Expected cost" in page.locator("#preset_cost").inner_text(), 10, "the cost line")
+        assert "eval_kv_quality_query_aware.json" in page.locator("#preset_cost").inner_text()
+        wait_until(lambda: checked(page, "kv_on") and not checked(page, "skip_on"), 10, "the preset's switches")
+        # Options that do not apply are hidden: temperature under greedy decoding, tau for h2o.
+        assert not page.locator("#temperature").is_visible() and page.locator("#tau_init").is_visible()
+        page.locator("#decoding label", has_text="sample").click()
+        wait_until(lambda: page.locator("#temperature").is_visible(), 10, "temperature to show when sampling")
+        page.locator("#kv_policy label", has_text="h2o").click()
+        wait_until(lambda: not page.locator("#tau_init").is_visible(), 10, "tau to hide for h2o")
+        assert page.locator("#kv_observe").is_visible(), "h2o takes observe"
+        assert "KV budget" in page.locator("#prompt_info").inner_text()
+        page.locator("#decoding label", has_text="greedy").click()
+        wait_until(lambda: not page.locator("#temperature").is_visible(), 10, "temperature to hide again")
+    # The last one clicked, the first example, is the page's defaults: the picture shows them (and the
+    # tiny model's byte-level tokenizer makes the retrieval prompt longer than its context).
+    for label, settings in reversed(app.EXAMPLE_SETTINGS.items()):
+        click_example(page, label, settings)
+    assert page.locator("#prompt textarea").input_value() == app.DEFAULT_PROMPT
     # 2. A slider moves and the schedule preview redraws without running the model.
     wait_until(lambda: plotted(page, "schedule_preview"), 30, "the schedule preview")
     if not SCREENSHOT:  # the picture keeps the defaults: a target speedup, the tuned weights
@@ -112,11 +187,13 @@ def test_compare_and_stop_in_chromium(served, page, tmp_path):
         set_slider(page, "b_min", 3)
         wait_until(lambda: "-> 3 layers" in page.locator("#schedule_preview").text_content(), 30,
                    "the preview to follow the slider")
-    set_slider(page, "max_new_tokens", 32 if SCREENSHOT else 24)
+    if not SCREENSHOT:
+        set_slider(page, "max_new_tokens", 24)
 
     # 3-4. Generate; both texts stream in and both heatmaps render as Plotly graphs.
     page.locator("#generate").click()
-    wait_until(lambda: "Done" in status.inner_text(), 60 * slow, "the comparison to finish")
+    wait_until(lambda: "Done" in status.inner_text(), 60 * slow, "the comparison to finish (status: "
+               f"{status.inner_text()!r})")
     assert text_of(page, "full_text").strip() and text_of(page, "skip_text").strip()
     for plot in ("layer_plot", "retention_plot"):
         wait_until(lambda plot=plot: plotted(page, plot), 30, f"{plot} to render")
@@ -124,6 +201,20 @@ def test_compare_and_stop_in_chromium(served, page, tmp_path):
                             f"#{plot} .js-plotly-plot .hm image").count() > 0, f"{plot} has no heatmap"
     assert "layers/token" in page.locator("#skip_metrics").inner_text()
     assert "Agreement" in page.locator("#agreement").inner_text()
+    # SkipKey's text, token by token against the full model's: a diverging run marks at least one token.
+    diverged = text_of(page, "full_text") != text_of(page, "skip_text")
+    if not SCREENSHOT:
+        assert diverged, "3 of 6 layers on the tiny model should leave the full model's text"
+    if diverged:
+        wait_until(lambda: differing_tokens(page) > 0, 10, "the differing tokens to be marked")
+        assert "differs" in page.locator("#skip_diff").inner_text(), "the legend names the mark"
+    # The download: both texts, the metrics and the trace, as JSON.
+    with page.expect_download(timeout=30_000) as download:
+        page.locator("#download").click()
+    record = json.loads(Path(download.value.path()).read_text())
+    assert record["full"]["text"] == text_of(page, "full_text")
+    assert record["skipkey"]["text"] == text_of(page, "skip_text")
+    assert record["skipkey"]["metrics"]["compute"]["mean_layers"] > 0 and record["skipkey"]["trace"]["events"]
     time.sleep(1)  # let the last redraw settle before the picture
     page.screenshot(path=SCREENSHOT or str(tmp_path / "compare.png"), full_page=True)
     if SCREENSHOT:

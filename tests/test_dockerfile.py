@@ -93,3 +93,35 @@ def test_dockerignore_keeps_local_state_out():
     assert {".git", ".venv"} <= ignored
     assert "skipkey" not in ignored and "app.py" not in ignored and "requirements.txt" not in ignored
     assert "assets" not in ignored and "!assets/skipdecode-lora" in ignored, "the app offers the tuned adapter"
+
+
+def test_torch_is_the_one_the_readme_pins(steps):
+    pins = set(re.findall(r"torch==([0-9][0-9.]*[0-9])", (ROOT / "README.md").read_text()))
+    assert len(pins) == 1, f"the README pins one torch, found {pins}"
+    args = dict(a.split("=", 1) for k, a in steps if k == "ARG" and "=" in a)
+    assert args["TORCH_VERSION"] == pins.pop()
+    install = steps[index(steps, "RUN", "download.pytorch.org/whl/cpu")][1]
+    assert install.count('"torch==$TORCH_VERSION"') == 2, "both the CPU and the CUDA build are pinned"
+
+
+def test_a_healthcheck_asks_the_page(steps):
+    check = steps[index(steps, "HEALTHCHECK")][1]
+    options = dict(re.findall(r"--([a-z-]+)=(\S+)", check))
+    assert {"interval", "timeout", "start-period"} <= set(options)
+    assert " CMD " in f" {check} " and ":7860/" in check and "|| exit 1" in check
+    assert index(steps, "HEALTHCHECK") > index(steps, "EXPOSE")
+
+
+def test_a_space_installs_a_cpp_compiler():
+    # A Space passes each line to apt-get as it is: package names only, no comments.
+    lines = [line.strip() for line in (ROOT / "packages.txt").read_text().splitlines() if line.strip()]
+    assert all(re.fullmatch(r"[a-z0-9][a-z0-9.+-]+", line) for line in lines), lines
+    assert {"build-essential", "g++"} & set(lines), "the fused kernels need a C++ compiler"
+
+
+def test_the_image_holds_the_results_the_page_quotes():
+    from skipkey.serving.app_logic import KV_QUALITY_FILE, SKIP_QUALITY_FILE
+
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
+    for name in (SKIP_QUALITY_FILE, KV_QUALITY_FILE):
+        assert f"!assets/results/{name}" in ignored and (ROOT / "assets" / "results" / name).is_file()

@@ -3,7 +3,8 @@
 * ``layer_usage_figure``: which decoder layers produced each generated token;
 * ``retention_figure``: which positions each layer's KV cache still holds after a step;
 * ``schedule_figure``: the SkipDecode depth ``b(t)`` (layers per step) a schedule gives, before any run;
-* ``layers_html``: the generated text, each token shaded by the layers it used.
+* ``layers_html``: the generated text, each token shaded by the layers it used;
+* ``token_diff``: the generated text, each token marked where it differs from a reference run's.
 
 Nothing here reads the engine or the model: the same trace always draws the same figure.
 """
@@ -239,3 +240,25 @@ def layers_html(trace: Trace, row: int = 0) -> str:
     )
     return (f"<div style='line-height:1.9;font-size:15px'>{''.join(spans)}</div>"
             f"<div style='font-size:12px;color:#6b7280;margin-top:6px'>layers per token: {legend}</div>")
+
+
+DIFFERS = "differs"  # the label of a token where SkipKey's text leaves the full model's
+
+
+def token_diff(reference: Trace, candidate: Trace, row: int = 0, pending: bool = False
+               ) -> list[tuple[str, str | None]]:
+    """``candidate``'s text as (token text, ``DIFFERS`` or None) spans, token by token against ``reference``.
+
+    Position by position, as ``metrics.agreement`` counts: a token differs where the
+    reference has another token at the same step, or none. ``pending``: the reference
+    is still running, so a token it has not reached yet is not marked.
+    """
+    reference_tokens = reference.tokens(row)
+    spans = []
+    for i, token in enumerate(candidate.tokens(row)):
+        if i >= len(reference_tokens):
+            same = pending
+        else:
+            same = reference_tokens[i] == token
+        spans.append((candidate.events[i].texts[row], None if same else DIFFERS))
+    return spans

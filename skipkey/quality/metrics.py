@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -211,3 +211,29 @@ def kv_share(trace: Trace, reference: Trace) -> float:
     if step < 0 or not reference.events[step].kv_bytes:
         return float("nan")
     return trace.events[step].kv_bytes / reference.events[step].kv_bytes
+
+
+def jsonable(value):
+    """``value`` as JSON takes it: tuples as lists, numpy scalars as numbers, NaN and infinities as None."""
+    if isinstance(value, dict):
+        return {str(key): jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(item) for item in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+def trace_record(trace: Trace) -> dict:
+    """A trace as JSON-ready data: its constants and every step's event.
+
+    Each event keeps all its fields but ``kept`` (per layer, the positions the cache
+    holds: a heatmap's worth of arrays each step); ``kv_bytes`` and ``cache_lengths``
+    say how much it held.
+    """
+    constants = {f.name: jsonable(getattr(trace, f.name)) for f in fields(trace) if f.name != "events"}
+    events = [{f.name: jsonable(getattr(event, f.name)) for f in fields(event) if f.name != "kept"}
+              for event in trace.events]
+    return dict(constants, events=events)

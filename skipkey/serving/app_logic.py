@@ -6,9 +6,12 @@ Python, so tests call it directly with a tiny model.
 * ``ModelCache`` loads each allowed model once (in the background, so the page
   can show progress) and hands the same ``LoadedModel`` to every request; the
   same for a model's SkipDecode-tuned copy, where an adapter was trained for it.
-* ``Controls`` declares the page's controls once: each field is a control, in
-  the order of the ``/compare`` API's parameters, with how the page shows it.
-  ``app.py`` renders the components and names the API from it, tests build it.
+* ``Controls`` declares the controls once: each field is a control, in the
+  order of the ``/compare`` API's parameters, with its default and its range.
+  ``app.py`` adds how each looks (``app.WIDGETS``) and names the API from it;
+  tests build it. Presets and examples are ``Controls`` values too.
+* ``AppLimits`` are the server's own caps (prompt tokens, seconds a request),
+  from the environment; ``check_prompt`` refuses a prompt before anything runs.
 * ``build_request`` is the edge: raw ``Controls`` (from the page or from any API
   client) become one frozen ``ComparisonRequest``, or an ``InputError`` that
   says what is allowed. The ranges are the library's own checks.
@@ -20,6 +23,7 @@ Python, so tests call it directly with a tiny model.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import threading
@@ -33,11 +37,11 @@ from skipkey.core.architectures import get_architecture
 from skipkey.config import GenerationSettings, decode_steps
 from skipkey.core.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
-from skipkey.kv.policies import KV_POLICIES, KVPolicy, KVSpec, policy_options
+from skipkey.kv.policies import KV_POLICIES, RECOMMENDED_OPTIONS, KVPolicy, KVSpec, make_kv_policy, policy_options
 from skipkey.core.loading import EMBEDDED, LoadedModel
 from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
-from skipkey.quality.metrics import (Compute, Speed, Transfer, agreement, compute, kv_share, memory, rouge_l, speed, traffic,
-                             transfer)
+from skipkey.quality.metrics import (Compute, Speed, Transfer, agreement, compute, jsonable, kv_share, memory, rouge_l,
+                                     speed, trace_record, traffic, transfer)
 from skipkey.core.offload import Placement, make_placement
 from skipkey.skipdecode.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecode, SkipDecodeSpec
@@ -50,7 +54,8 @@ DECODING = ("greedy", "sample")
 SET_BY = ("layers", "target speedup")
 # The KV registry's policies, newest method first ("full" is the left column, not a choice).
 KV_CHOICES = tuple(name for name in reversed(KV_POLICIES) if name != "full")
-DEFAULT_PROMPT = "The three primary colours of light are"
+# The embedded model answers it right, full and at 1.5x tuned alike (the screenshot: the page at its defaults).
+DEFAULT_PROMPT = "Photosynthesis is the process by which plants"
 DEFAULT_NEW_TOKENS = 48  # light enough that the embedded model answers within seconds on a small CPU
 DEFAULT_TARGET = 1.5  # SkipDecode's default nominal speedup (README, "SkipDecode fine-tuning": the frontier)
 MAX_NEW_TOKENS_UI = 512
@@ -205,28 +210,31 @@ class ModelCache:
             future.set_result(loaded)
 
 
-# -- the page's controls, declared once -------------------------------------------------
+# -- the controls, declared once ----------------------------------------------------------
 @dataclass(frozen=True)
 class Control:
-    """How one of the ``Controls`` appears on the page.
+    """What serving knows of one of the ``Controls``: its range or choices, and whether it shapes the schedule.
 
-    ``kind`` names the Gradio component (``textbox``, ``dropdown``, ``number``,
-    ``slider``, ``radio``, ``checkbox``) and ``options`` are its keyword arguments
-    (label, range, choices, ...). ``panel`` is the part of the page it sits in
-    (``prompt``, ``run``, ``skip``, ``kv``); controls of a panel with the same
-    ``row`` sit side by side, rows in increasing order. ``preview``: the schedule
-    preview redraws when it changes.
+    ``minimum``/``maximum``/``step`` bound a number, ``choices`` a choice (None: not
+    bounded here; ``build_request`` and the library check every value anyway).
+    ``preview``: the schedule preview redraws when it changes. How a control looks
+    (widget, label, panel) is the page's business: ``app.WIDGETS``.
     """
 
-    kind: str
-    panel: str
-    row: int
-    options: Mapping = field(default_factory=lambda: MappingProxyType({}))
+    minimum: float | None = None
+    maximum: float | None = None
+    step: float | None = None
+    choices: tuple[str, ...] | None = None
     preview: bool = False
 
+    def bounds(self) -> dict:
+        """The range as keyword arguments (``minimum``, ``maximum``, ``step``, ``choices``), only those set."""
+        given = dict(minimum=self.minimum, maximum=self.maximum, step=self.step, choices=self.choices)
+        return {key: value for key, value in given.items() if value is not None}
 
-def _control(default, kind: str, panel: str, row: int, *, preview: bool = False, **options):
-    return field(default=default, metadata={"control": Control(kind, panel, row, MappingProxyType(options), preview)})
+
+def _control(default, *, preview: bool = False, **bounds):
+    return field(default=default, metadata={"control": Control(preview=preview, **bounds)})
 
 
 @dataclass(frozen=True)
@@ -237,69 +245,37 @@ class Controls:
     number); ``build_request`` checks them. Defaults are the page's, except that
     the page selects the layer policy the default model's adapter was trained
     with (``app.Handlers.defaults``). To add a control, add a field here (it
-    appears on the page and in the API) and read it in ``build_request``.
+    appears in the API), a widget for it in ``app.WIDGETS`` (it appears on the
+    page), and read it in ``build_request``.
     """
 
-    prompt: str = _control(DEFAULT_PROMPT, "textbox", "prompt", 0, label="Prompt", lines=4, max_lines=12,
-                           elem_id="prompt")
-    model: str = _control(EMBEDDED, "dropdown", "run", 0, preview=True, label="Model",
-                          info="the embedded Gemma 3 270M, or one from SKIPKEY_MODELS")
-    max_new_tokens: int = _control(DEFAULT_NEW_TOKENS, "slider", "run", 1, preview=True, minimum=1,
-                                   maximum=MAX_NEW_TOKENS_UI, step=1, label="max new tokens",
-                                   elem_id="max_new_tokens")
-    decoding: str = _control("greedy", "radio", "run", 2, choices=DECODING, label="decoding")
-    temperature: float = _control(0.8, "slider", "run", 2, minimum=0.05, maximum=2.0, step=0.05,
-                                  label="temperature (sampling)")
-    seed: int = _control(0, "number", "run", 1, label="seed", precision=0, minimum=0)
-    skip_on: bool = _control(True, "checkbox", "skip", 0, label="on")
-    layer_policy: str = _control("top", "radio", "skip", 0, preview=True, choices=LAYER_POLICIES, label="layers",
-                                 info="top = the paper's; importance = the least important layers, ranked by a prompt "
-                                      "pass. Choosing a model selects the one its tuned weights were trained with")
-    schedule: str = _control("linear", "radio", "skip", 2, preview=True, choices=SCHEDULE_KINDS, label="schedule",
-                             visible=False)
-    set_by: str = _control("target speedup", "radio", "skip", 2, preview=True, choices=SET_BY, label="set by",
-                           elem_id="set_by",
-                           info="target speedup: the schedule shape measured best for it (python -m skipkey "
-                                "shapes); layers: your own shape")
-    b_max: int = _control(18, "slider", "skip", 3, preview=True, minimum=2, maximum=64, step=1,
-                          label="max layers (b_max)", elem_id="b_max", visible=False)
-    b_min: int = _control(12, "slider", "skip", 3, preview=True, minimum=2, maximum=64, step=1,
-                          label="min layers (b_min)", elem_id="b_min", visible=False)
-    horizon: int = _control(DEFAULT_NEW_TOKENS, "slider", "skip", 4, preview=True, minimum=0,
-                            maximum=MAX_NEW_TOKENS_UI, step=1, label="horizon T (steps)", visible=False)
-    warmup: int = _control(1, "slider", "skip", 4, preview=True, minimum=0, maximum=63, step=1,
-                           label="warm-up layers", visible=False)
-    exponent: float = _control(2.0, "slider", "skip", 5, preview=True, minimum=0.25, maximum=4.0, step=0.25,
-                               label="power-law exponent", visible=False)
-    target_speedup: float = _control(DEFAULT_TARGET, "slider", "skip", 5, preview=True, minimum=1.0, maximum=32.0,
-                                     step=0.05, label="target speedup", elem_id="target_speedup")
-    kv_on: bool = _control(False, "checkbox", "kv", 0, label="on",
-                           info="the budget is a share of the prompt: for long prompts")
-    kv_policy: str = _control("keyformer", "radio", "kv", 0, choices=KV_CHOICES, label="policy")
-    kv_budget_pct: float = _control(50, "slider", "kv", 1, minimum=1, maximum=100, step=1,
-                                    label="KV budget (% of prompt)")
-    kv_recent_pct: float = _control(30, "slider", "kv", 1, minimum=0, maximum=100, step=1,
-                                    label="recent window (% of budget)")
-    tau_init: float = _control(1.0, "slider", "kv", 2, minimum=0.1, maximum=5.0, step=0.1,
-                               label="tau init (Keyformer)")
-    tau_end: float = _control(2.0, "slider", "kv", 2, minimum=0.1, maximum=5.0, step=0.1,
-                              label="tau end (Keyformer)")
-    kv_observe: int = _control(0, "slider", "kv", 3, minimum=0, maximum=512, step=1, label="observe W",
-                               info="h2o/keyformer/snapkv: score the prompt from its last W queries only, where the "
-                                    "question is (SnapKV's observation window); 0 = every query, the paper")
-    kv_pool: int = _control(1, "slider", "kv", 3, minimum=1, maximum=15, step=2, label="pool K",
-                            info="h2o/keyformer/snapkv: max-pool prompt scores over K neighbouring tokens, so a "
-                                 "number or a name is kept or dropped whole; 1 = off")
-    kv_normalize: bool = _control(False, "checkbox", "kv", 3, label="normalize",
-                                  info="h2o/keyformer: divide each score by how many queries could see the token, "
-                                       "so early tokens do not win just by being early")
-    tuned: bool = _control(True, "checkbox", "skip", 1, label="tuned weights", elem_id="tuned", interactive=False,
-                           info="SkipKey's side runs the model with its SkipDecode LoRA adapter, trained with its "
-                                "layer policy and schedule shapes in place (embedded model only); off: the same "
-                                "schedule on the original weights")
-    hold: int = _control(0, "slider", "skip", 4, preview=True, minimum=0, maximum=MAX_NEW_TOKENS_UI, step=1,
-                         label="hold (steps at b_max)", visible=False,
-                         info="steps run at b_max before the decay starts; 0 = the paper's")
+    prompt: str = _control(DEFAULT_PROMPT)
+    model: str = _control(EMBEDDED, preview=True)
+    max_new_tokens: int = _control(DEFAULT_NEW_TOKENS, preview=True, minimum=1, maximum=MAX_NEW_TOKENS_UI, step=1)
+    decoding: str = _control("greedy", choices=DECODING)
+    temperature: float = _control(0.8, minimum=0.05, maximum=2.0, step=0.05)
+    seed: int = _control(0, minimum=0)
+    skip_on: bool = _control(True)
+    layer_policy: str = _control("top", preview=True, choices=LAYER_POLICIES)
+    schedule: str = _control("linear", preview=True, choices=SCHEDULE_KINDS)
+    set_by: str = _control("target speedup", preview=True, choices=SET_BY)
+    b_max: int = _control(18, preview=True, minimum=2, maximum=64, step=1)
+    b_min: int = _control(12, preview=True, minimum=2, maximum=64, step=1)
+    horizon: int = _control(DEFAULT_NEW_TOKENS, preview=True, minimum=0, maximum=MAX_NEW_TOKENS_UI, step=1)
+    warmup: int = _control(1, preview=True, minimum=0, maximum=63, step=1)
+    exponent: float = _control(2.0, preview=True, minimum=0.25, maximum=4.0, step=0.25)
+    target_speedup: float = _control(DEFAULT_TARGET, preview=True, minimum=1.0, maximum=32.0, step=0.05)
+    kv_on: bool = _control(False)
+    kv_policy: str = _control("keyformer", choices=KV_CHOICES)
+    kv_budget_pct: float = _control(50, minimum=1, maximum=100, step=1)
+    kv_recent_pct: float = _control(30, minimum=0, maximum=100, step=1)
+    tau_init: float = _control(1.0, minimum=0.1, maximum=5.0, step=0.1)
+    tau_end: float = _control(2.0, minimum=0.1, maximum=5.0, step=0.1)
+    kv_observe: int = _control(0, minimum=0, maximum=512, step=1)
+    kv_pool: int = _control(1, minimum=1, maximum=15, step=2)
+    kv_normalize: bool = _control(False)
+    tuned: bool = _control(True)
+    hold: int = _control(0, preview=True, minimum=0, maximum=MAX_NEW_TOKENS_UI, step=1)
 
 
 CONTROLS: Mapping[str, Control] = MappingProxyType({f.name: f.metadata["control"] for f in fields(Controls)})
@@ -575,3 +551,262 @@ def agreement_summary(full: Trace, accelerated: Trace, tokenizer=None, final: bo
     if final:
         text += f" · ROUGE-L **{rouge_l(full.text(), accelerated.text()):.2f}**"
     return text
+
+
+def side_record(trace: Trace, reference: Trace | None = None) -> dict:
+    """One column of a run as plain data: its text, its numbers (``side_metrics``) and its trace."""
+    numbers = dataclasses.asdict(side_metrics(trace, reference))
+    return dict(label=trace.label, text=trace.text(), tokens=trace.tokens(), metrics=jsonable(numbers),
+                trace=trace_record(trace))
+
+
+def run_record(full: Trace, accelerated: Trace, request: ComparisonRequest) -> dict:
+    """The whole run as JSON-ready data: what was asked, both texts, their metrics, their agreement and traces.
+
+    What the page's "download this run" button saves; ``json.dumps(..., allow_nan=False)`` takes it as is.
+    """
+    match = agreement(full.tokens(), accelerated.tokens())
+    return dict(model=request.model, prompt=request.prompt, settings=request.describe(),
+                generation=jsonable(dataclasses.asdict(request.settings)), stopped=accelerated.stopped,
+                full=side_record(full), skipkey=side_record(accelerated, full),
+                agreement=dict(jsonable(match.as_dict()), rouge_l=rouge_l(full.text(), accelerated.text())))
+
+
+# -- the server's own limits --------------------------------------------------------------
+MAX_PROMPT_TOKENS_ENV, REQUEST_SECONDS_ENV = "SKIPKEY_MAX_PROMPT_TOKENS", "SKIPKEY_REQUEST_SECONDS"
+
+
+@dataclass(frozen=True)
+class AppLimits:
+    """What one request may ask of this server, whatever the model allows.
+
+    ``max_prompt_tokens``: a longer prompt is refused before anything runs (the
+    prompt pass is the request's largest single cost). ``request_seconds``: a run
+    still going after this long is stopped, and says so. Both from the
+    environment (``from_env``), so a shared Space can be tighter than a laptop.
+    """
+
+    max_prompt_tokens: int = 8192
+    request_seconds: float = 600.0
+
+    def __post_init__(self):
+        if isinstance(self.max_prompt_tokens, bool) or not isinstance(self.max_prompt_tokens, int) \
+                or not 1 <= self.max_prompt_tokens <= 10**7:
+            raise InputError(f"the prompt-token cap must be an integer in 1..10000000, "
+                             f"got {self.max_prompt_tokens!r}")
+        seconds = self.request_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 86400:
+            raise InputError(f"the request time limit must be a number of seconds in (0, 86400], got {seconds!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "AppLimits":
+        """``$SKIPKEY_MAX_PROMPT_TOKENS`` and ``$SKIPKEY_REQUEST_SECONDS`` (unset: the defaults)."""
+        env = os.environ if env is None else env
+        given = {}
+        for name, variable, parse in (("max_prompt_tokens", MAX_PROMPT_TOKENS_ENV, int),
+                                      ("request_seconds", REQUEST_SECONDS_ENV, float)):
+            text = (env.get(variable) or "").strip()
+            if text:
+                try:
+                    given[name] = parse(text)
+                except ValueError:
+                    raise InputError(f"{variable}={text!r} is not a number") from None
+        try:
+            return cls(**given)
+        except InputError as error:
+            raise InputError(f"{error} (from {MAX_PROMPT_TOKENS_ENV}, {REQUEST_SECONDS_ENV})") from None
+
+
+def check_prompt(loaded: LoadedModel, prompt, max_new_tokens: int, limits: AppLimits) -> int:
+    """The prompt's token count, or an InputError: empty, over the model's context, or over the server's cap.
+
+    Tokenised as the engine does (``Engine.encode``), so the count is the one the run will see.
+    """
+    if not isinstance(prompt, str):
+        raise InputError(f"prompt must be text, got {type(prompt).__name__}")
+    count = len(Engine(loaded).encode([prompt], max_new_tokens)[0])
+    if count > limits.max_prompt_tokens:
+        raise InputError(f"the prompt has {count} tokens; this server takes at most {limits.max_prompt_tokens} "
+                         f"(allowed: 1..{limits.max_prompt_tokens} prompt tokens, set by {MAX_PROMPT_TOKENS_ENV})")
+    return count
+
+
+def prompt_tokens(loaded: LoadedModel, prompt: str) -> int:
+    """How many tokens ``prompt`` is, as the engine encodes it (0 for an empty one)."""
+    return len(loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]) if prompt.strip() else 0
+
+
+def budget_summary(prompt_token_count: int, controls: Controls) -> str:
+    """The prompt's size, and what the KV controls keep of it in tokens, with a warning where that is nothing useful.
+
+    Under a budget of ``k`` tokens the newest ``w`` always stay (the recent window) and the
+    policy's scores choose the other ``k - w``; a budget no larger than its window leaves the
+    scores nothing to choose (and a short prompt a budget of a few tokens).
+    """
+    text = f"Prompt: **{prompt_token_count}** tokens"
+    if controls.kv_on is not True or prompt_token_count == 0:
+        return text + " · full KV cache"
+    try:
+        policy = make_kv_policy(controls.kv_policy, _percent(controls.kv_budget_pct), _percent(controls.kv_recent_pct))
+    except InputError as error:
+        return f"{text} · KV: {error}"
+    keep = policy.budget_tokens(prompt_token_count)
+    recent = min(keep, policy.recent_tokens(keep))
+    text += (f" · KV budget **{keep}** tokens: the newest **{recent}** (recent window) plus **{keep - recent}** "
+             f"chosen by {policy.name}")
+    if keep - recent < 1 and policy.name != "window":
+        text += (f"  \n⚠ The budget keeps no more than its recent window: {policy.name}'s scores choose nothing "
+                 f"here, so this runs as a sliding window. Raise the budget or lower the recent window.")
+    return text
+
+
+def shown_options(decoding, kv_policy) -> dict[str, bool]:
+    """Which option controls apply to the chosen decoding and KV policy (the page hides the rest)."""
+    known = set(policy_options(kv_policy)) if kv_policy in KV_POLICIES else set()
+    return dict(temperature=decoding == "sample", tau_init="tau_init" in known, tau_end="tau_end" in known,
+                kv_observe="observe" in known, kv_pool="pool" in known, kv_normalize="normalize" in known)
+
+
+# -- what the measured results say ----------------------------------------------------------
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "results"
+SKIP_QUALITY_FILE = "eval_tuned.json"  # the tuned adapter on held-out prompts (README, "SkipDecode fine-tuning")
+KV_QUALITY_FILE = "eval_kv_quality_query_aware.json"  # Keyformer at 50%, as the paper and query-aware
+# The SkipDecode quality goals at each target (README, "Against the issue's goals"): measure -> (at least?, bound).
+QUALITY_GOALS: Mapping[float, Mapping[str, tuple[bool, float]]] = MappingProxyType({
+    1.5: MappingProxyType(dict(next_token_accuracy=(True, 0.75), ppl_of_full_continuations=(False, 3.0),
+                               rouge_l=(True, 0.55), first_divergence_median=(True, 12))),
+    2.0: MappingProxyType(dict(next_token_accuracy=(True, 0.60), ppl_of_full_continuations=(False, 5.0),
+                               rouge_l=(True, 0.45), first_divergence_median=(True, 8))),
+})
+MEASURE_NAMES = dict(next_token_accuracy="next-token accuracy", ppl_of_full_continuations="PPL",
+                     rouge_l="ROUGE-L", first_divergence_median="first divergence")
+
+
+def read_results(name: str, results_dir: Path | None = None) -> dict | None:
+    """A results file of ``assets/results`` (None where it is missing or unreadable: the page says so)."""
+    path = (RESULTS_DIR if results_dir is None else results_dir) / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def tuned_rows(results: dict) -> list[dict]:
+    """The tuned adapter's rows at each target, in the layer policy it was trained with, lowest target first."""
+    policy = results.get("adapter", {}).get("schedule", {}).get("policy")
+    rows = [row for row in results.get("tuned", ()) if row.get("target") is not None
+            and row.get("policy") == policy and row.get("label", "").endswith("tuned")]
+    return sorted(rows, key=lambda row: row["target"])
+
+
+def goal_misses(row: dict) -> list[str]:
+    """The goals ``row`` misses, as text: the goals of the highest goal target at or below its target
+    (below every goal target: the lowest's)."""
+    at = max((t for t in QUALITY_GOALS if t <= row["target"]), default=min(QUALITY_GOALS))
+    misses = []
+    for measure, (at_least, bound) in QUALITY_GOALS[at].items():
+        value = row.get(measure)
+        if value is None or (value < bound if at_least else value > bound):
+            misses.append(f"{MEASURE_NAMES[measure]} {_fmt(value, '{:.3g}')} {'<' if at_least else '>'} {bound:g}")
+    return misses
+
+
+@dataclass(frozen=True)
+class QualityLimit:
+    """The highest measured target up to which the tuned model meets its quality goals, and the first one past it."""
+
+    target: float
+    past: float | None  # the first measured target that misses a goal (None: none measured misses)
+    misses: tuple[str, ...]  # what it misses
+    source: str  # the results file
+
+
+def quality_limit(results_dir: Path | None = None, name: str = SKIP_QUALITY_FILE) -> QualityLimit | None:
+    """Where the SkipDecode quality table stops meeting its goals (None: no table to read)."""
+    results = read_results(name, results_dir)
+    rows = tuned_rows(results) if results else []
+    if not rows:
+        return None
+    limit = None
+    for row in rows:
+        misses = goal_misses(row)
+        if misses:
+            return QualityLimit(limit if limit is not None else 1.0, row["target"], tuple(misses), name)
+        limit = row["target"]
+    return QualityLimit(limit, None, (), name)
+
+
+def target_note(target, limit: QualityLimit | None) -> str:
+    """The line under the target-speedup slider: a warning past the measured quality limit."""
+    if limit is None:
+        return ""
+    value = _number(target)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return ""
+    if limit.past is not None and value > limit.target:
+        return (f"⚠ Past **{limit.target:g}x** the tuned model falls below its quality goals (at {limit.past:g}x: "
+                f"{'; '.join(limit.misses)}; `{limit.source}`).")
+    return f"Up to **{limit.target:g}x** the tuned model meets its quality goals (`{limit.source}`)."
+
+
+# -- presets --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Preset:
+    """A named setting of the controls, and where its expected cost was measured.
+
+    ``changes`` are the controls it sets (every one its method depends on, the other
+    method's switch included); ``skip_target`` / ``kv_row`` name the measured rows its
+    cost line quotes (a target of the tuned table, a row label of the KV table).
+    """
+
+    name: str
+    changes: Mapping[str, object]
+    skip_target: float | None = None
+    kv_row: str | None = None
+
+
+_SKIP_ONLY = dict(skip_on=True, set_by="target speedup", tuned=True, kv_on=False)
+_KEYFORMER = dict(kv_on=True, kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=30)
+_QUERY_AWARE = dict(kv_observe=RECOMMENDED_OPTIONS["observe"], kv_pool=RECOMMENDED_OPTIONS["pool"])
+_QUERY_AWARE_ROW = "keyformer:" + ",".join(f"{k}={v}" for k, v in RECOMMENDED_OPTIONS.items()) + " 50%"
+PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in (
+    Preset("SkipDecode 1.5x (tuned)", MappingProxyType(dict(_SKIP_ONLY, target_speedup=1.5)), skip_target=1.5),
+    Preset("SkipDecode 2x (tuned)", MappingProxyType(dict(_SKIP_ONLY, target_speedup=2.0)), skip_target=2.0),
+    Preset("Keyformer 50% (query-aware)", MappingProxyType(dict(_KEYFORMER, **_QUERY_AWARE, skip_on=False)),
+           kv_row=_QUERY_AWARE_ROW),
+    Preset("Keyformer 50% (paper)", MappingProxyType(dict(_KEYFORMER, kv_observe=0, kv_pool=1, skip_on=False)),
+           kv_row="keyformer 50%"),
+    Preset("both", MappingProxyType(dict(_SKIP_ONLY, **_KEYFORMER, **_QUERY_AWARE, target_speedup=1.5)),
+           skip_target=1.5, kv_row=_QUERY_AWARE_ROW),
+)})
+
+
+def _quality_text(row: dict, full: dict | None) -> str:
+    reference = f" (full {full['ppl_of_full_continuations']:.2f})" if full else ""
+    return (f"next-token accuracy {row['next_token_accuracy']:.2f}, PPL {row['ppl_of_full_continuations']:.2f}"
+            f"{reference}, ROUGE-L {row['rouge_l']:.2f}")
+
+
+def preset_cost(preset: Preset, results_dir: Path | None = None) -> str:
+    """One line: what the preset is expected to cost in quality, quoted from the measured rows it names."""
+    parts = []
+    if preset.skip_target is not None:
+        results = read_results(SKIP_QUALITY_FILE, results_dir)
+        rows = [r for r in tuned_rows(results) if r["target"] == preset.skip_target] if results else []
+        full = next((r for r in results.get("tuned", ()) if r.get("policy") == "full"), None) if results else None
+        target = preset.skip_target
+        parts.append(f"SkipDecode at a nominal {target:g}x (layer runs per token cut {target:g}x); "
+                     + (f"{_quality_text(rows[0], full)} on {results['prompts']} held-out prompts "
+                        f"(`{SKIP_QUALITY_FILE}`)" if rows else f"not measured in `{SKIP_QUALITY_FILE}`"))
+    if preset.kv_row is not None:
+        results = read_results(KV_QUALITY_FILE, results_dir)
+        table = results.get("kv_agreement", ()) if results else ()
+        rows = [r for r in table if r.get("label") == preset.kv_row]
+        full = next((r for r in table if r.get("policy") == "full"), None)
+        parts.append(f"KV cache held to {preset.changes['kv_budget_pct']}% of the prompt; "
+                     + (f"{_quality_text(rows[0], full)} on {results['prompts']} prompts of "
+                        f"{results['kv_prompt_tokens']} tokens (`{KV_QUALITY_FILE}`)" if rows
+                        else f"not measured in `{KV_QUALITY_FILE}`"))
+    if preset.skip_target is not None and preset.kv_row is not None:
+        parts.append("each measured alone")
+    return "Expected cost: " + " · ".join(parts) + "."
