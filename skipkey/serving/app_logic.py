@@ -647,7 +647,8 @@ def budget_summary(prompt_token_count: int, controls: Controls) -> str:
     if controls.kv_on is not True or prompt_token_count == 0:
         return text + " · full KV cache"
     try:
-        policy = make_kv_policy(controls.kv_policy, _percent(controls.kv_budget_pct), _percent(controls.kv_recent_pct))
+        policy = make_kv_policy(controls.kv_policy, _budget_percent(controls.kv_budget_pct),
+                                _percent(controls.kv_recent_pct))
     except InputError as error:
         return f"{text} · KV: {error}"
     keep = policy.budget_tokens(prompt_token_count)
