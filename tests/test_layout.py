@@ -19,7 +19,7 @@ PACKAGE = ROOT / "skipkey"
 LAYERS = (
     "errors", "__init__", "config", "provenance", "quality.prompts", "core.offload", "core.loading", "core.tiny",
     "core.kernels", "kv.noise", "core.attention", "core.cache", "core.architectures", "skipdecode.schedules",
-    "skipdecode.plan", "kv.policies", "core.engine", "core.trace", "quality.metrics", "quality.figures",
+    "skipdecode.plan", "skipdecode.exact", "kv.policies", "core.engine", "core.trace", "quality.metrics", "quality.figures",
     "quality.teacher_forced", "skipdecode.adapter", "models", "quality.bench", "quality.evaluate",
     "training.shapes", "training.finetune", "serving.app_logic", "cli", "__main__",
 )
