@@ -211,3 +211,47 @@ def kv_share(trace: Trace, reference: Trace) -> float:
     if step < 0 or not reference.events[step].kv_bytes:
         return float("nan")
     return trace.events[step].kv_bytes / reference.events[step].kv_bytes
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """How exact decoding's drafts fared (``skipkey.skipdecode.exact``), over the rows still generating."""
+
+    verify_steps: int
+    drafted: int  # drafted tokens, summed over verify steps and rows
+    accepted: int  # of those, the ones the full model agreed with (each row's own leading run)
+    acceptance: float  # accepted / drafted (nan when nothing was drafted)
+    tokens_per_verify_step: float  # decode tokens per row and verify step
+    mean_draft_length: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def acceptance(trace: Trace) -> Acceptance | None:
+    """The drafts' acceptance and tokens per verify step of an exact run, or None for any other run."""
+    events = trace.events
+    steps = [i for i, e in enumerate(events) if e.drafted is not None]
+    if not steps:
+        return None
+    drafted = accepted = 0
+    for i in steps:
+        generating = [not done for done in events[i - 1].finished]
+        drafted += events[i].drafted * sum(generating)
+        accepted += sum(a for a, live in zip(events[i].accepted, generating) if live)
+    return Acceptance(verify_steps=len(steps), drafted=drafted, accepted=accepted,
+                      acceptance=accepted / drafted if drafted else float("nan"),
+                      tokens_per_verify_step=len(trace.decode_events) / len(steps),
+                      mean_draft_length=float(np.mean([events[i].drafted for i in steps])))
+
+
+def speculative_speedup(acceptance_rate: float, k: int, draft_cost: float, verify_cost: float) -> float:
+    """The byte model's speedup of drafting ``k`` and verifying them, against plain full decode steps.
+
+    Costs are in full decode steps: ``draft_cost`` one draft step, ``verify_cost`` one
+    forward over ``k + 1`` tokens. With acceptance ``a`` per drafted token a cycle
+    yields ``(1 - a^(k+1)) / (1 - a)`` tokens and costs ``k * draft + verify``.
+    """
+    a = acceptance_rate
+    tokens = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+    return tokens / (k * draft_cost + verify_cost)

@@ -1,0 +1,283 @@
+"""Exact SkipDecode: the SkipDecode model drafts, the full model verifies, the output is ``generate``'s."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import PROMPTS
+from skipkey.config import GenerationSettings
+from skipkey.core.cache import EMPTY, KVCache
+from skipkey.core.engine import Engine
+from skipkey.core.tiny import FAMILIES
+from skipkey.core.trace import Trace
+from skipkey.errors import InputError
+from skipkey.kv.policies import make_kv_policy
+from skipkey.quality.metrics import acceptance
+from skipkey.skipdecode.exact import (
+    DRAFT_K_CAP,
+    MAX_PAUSE,
+    DraftHead,
+    DraftLength,
+    ExactDecoding,
+    accepted_prefix,
+    shipped_ranking,
+    token_ranking,
+    write_ranking,
+)
+from skipkey.skipdecode.plan import make_skipdecode
+
+LONG = PROMPTS[2]  # longer than the tiny models' 8-token sliding window
+SETTINGS = (ExactDecoding(3), ExactDecoding(6, adaptive=0.3), ExactDecoding(2, draft_vocab=64))
+
+
+def greedy(lm, ids: list[int], n: int) -> list[int]:
+    out = lm.model.generate(torch.tensor([ids], device=lm.device),
+                            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=lm.device),
+                            max_new_tokens=n, do_sample=False)
+    new = out[0, len(ids):].tolist()
+    eos = lm.model.generation_config.eos_token_id
+    return new[: new.index(eos) + 1] if eos in new else new
+
+
+def exact_trace(lm, prompts, exact, n, skip="2x", kv=None):
+    if skip == "2x":
+        skip = make_skipdecode(lm.num_layers, n - 1, target=2.0)
+    return Trace.collect(Engine(lm, skip=skip, kv=kv, exact=exact), prompts, GenerationSettings(max_new_tokens=n))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("exact", SETTINGS, ids=lambda e: e.describe())
+def test_exact_output_is_generates_on_every_family(tiny_models, family, exact):
+    lm = tiny_models(family)
+    ids = lm.tokenizer(LONG)["input_ids"]
+    trace = exact_trace(lm, [LONG], exact, 40)
+    assert trace.tokens() == greedy(lm, ids, 40)
+    drafted = [e.drafted for e in trace.events if e.drafted is not None]
+    assert sum(drafted) > 0 and max(drafted) <= exact.draft_k
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_exact_without_a_plan_and_with_the_importance_policy(tiny_models, family):
+    lm = tiny_models(family, seed=3)
+    lm.model.generation_config.eos_token_id = None  # long runs: the sliding layers move their windows often
+    ids = lm.tokenizer(LONG)["input_ids"]
+    reference = greedy(lm, ids, 60)
+    importance = make_skipdecode(lm.num_layers, 59, target=3.0, policy="importance")
+    for skip in (None, importance):
+        trace = exact_trace(lm, [LONG], ExactDecoding(DRAFT_K_CAP), 60, skip=skip)
+        assert trace.tokens() == reference
+
+
+def test_a_full_depth_draft_is_always_accepted(tiny_models):
+    """Without a plan and with the full head the draft is the full model: every drafted token agrees."""
+    lm = tiny_models("llama")
+    lm.model.generation_config.eos_token_id = None
+    trace = exact_trace(lm, [LONG], ExactDecoding(4), 30, skip=None)
+    rate = acceptance(trace)
+    assert rate.acceptance == 1.0
+    assert rate.tokens_per_verify_step > 4.0  # 5 per full cycle; the last cycle is cut to the token count
+
+
+@pytest.mark.parametrize("family", ["gemma3", "opt"])
+def test_batch_rows_equal_their_solo_runs_and_generate(tiny_models, family):
+    lm = tiny_models(family)
+    exact = ExactDecoding(4, draft_vocab=100)
+    batch = exact_trace(lm, PROMPTS, exact, 24)
+    assert len({len(lm.tokenizer(p)["input_ids"]) for p in PROMPTS}) == len(PROMPTS)
+    for row, prompt in enumerate(PROMPTS):
+        solo = exact_trace(lm, [prompt], exact, 24)
+        assert batch.tokens(row) == solo.tokens() == greedy(lm, lm.tokenizer(prompt)["input_ids"], 24)
+    # Each row records its own agreement; the rows advance by the least of the unfinished ones.
+    for event in batch.events:
+        if event.accepted is not None:
+            assert len(event.accepted) == len(PROMPTS)
+            assert all(0 <= a <= event.drafted for a in event.accepted)
+
+
+def test_the_tuned_adapter_drafts_and_the_original_model_verifies(tiny_app_model, tiny_adapter):
+    from skipkey.skipdecode.adapter import load_tuned
+
+    tuned = load_tuned(tiny_app_model, tiny_adapter)
+    assert tuned.full_depth is tiny_app_model.model
+    ids = tiny_app_model.tokenizer(LONG)["input_ids"]
+    skip = make_skipdecode(tuned.num_layers, 29, target=2.0)
+    for exact in (ExactDecoding(3), ExactDecoding(5, adaptive=0.2, draft_vocab=80)):
+        trace = exact_trace(tuned, [LONG], exact, 30, skip=skip)
+        assert trace.tokens() == greedy(tiny_app_model, ids, 30)
+
+
+def test_eos_ends_a_row_as_generate_does(tiny_models):
+    lm = tiny_models("qwen2")
+    eos = lm.model.generation_config.eos_token_id
+    ids = lm.tokenizer(PROMPTS[0])["input_ids"]
+    plain = greedy(lm, ids, 30)
+    lm.model.generation_config.eos_token_id = plain[5]  # a token the model does produce
+    try:
+        expected = greedy(lm, ids, 30)
+        engine = Engine(lm, skip=make_skipdecode(lm.num_layers, 29, target=2.0), exact=ExactDecoding(4))
+        trace = Trace.collect(engine, [PROMPTS[0]], GenerationSettings(max_new_tokens=30))
+        assert trace.tokens() == expected and trace.tokens()[-1] == plain[5]
+        assert len(trace.events) == len(expected)
+    finally:
+        lm.model.generation_config.eos_token_id = eos
+
+
+def test_rollback_leaves_the_cache_as_if_the_tokens_were_never_written():
+    torch.manual_seed(0)
+    window = 4
+    for win in (None, window):
+        cache, plain = KVCache.verifying([win], lookback=6), KVCache([win])
+        layer, reference = cache.layers[0], plain.layers[0]
+        keys = torch.randn(1, 1, 5, 2)
+        for lc in (layer, reference):
+            lc.write(keys, keys, torch.arange(5)[None], True)
+            lc.trim_to_window(20)
+        for pos in range(5, 30):
+            token = torch.randn(1, 1, 1, 2)
+            drafts = torch.randn(1, 1, 6, 2)  # written, then taken back
+            layer.write(drafts, drafts, torch.arange(pos, pos + 6)[None], True)
+            layer.rollback(6)
+            assert (layer.positions[..., layer.used:layer.used + 6] == EMPTY).all()
+            layer.trim_to_window(0)
+            got = layer.write(token, token, torch.tensor([[pos]]), True)
+            want = reference.write(token, token, torch.tensor([[pos]]), True)
+            reference.trim_to_window(0)
+            layer.trim_to_window(0)
+            assert torch.equal(layer.visible_positions()[..., -window:], reference.visible_positions()[..., -window:])
+            assert torch.equal(got[0][:, :, -window:], want[0][:, :, -window:])
+            assert len(layer) == len(reference)
+            assert torch.equal(layer.kept_positions(), reference.kept_positions())
+
+
+def test_a_verify_forward_sees_its_whole_window():
+    """q tokens at once in a sliding layer: the first needs the window - 1 before it, so q + window - 1 show."""
+    cache = KVCache.verifying([4], lookback=5)
+    layer = cache.layers[0]
+    keys = torch.zeros(1, 1, 10, 2)
+    layer.write(keys, keys, torch.arange(10)[None], True)
+    layer.trim_to_window(10)
+    new = torch.zeros(1, 1, 5, 2)
+    layer.write(new, new, torch.arange(10, 15)[None], True)
+    assert layer.visible_positions()[0, 0].tolist() == list(range(7, 15))
+
+
+def test_accepted_prefix_counts_leading_agreement_only():
+    drafted = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 6, 7]])
+    greedy_ = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7]])
+    assert accepted_prefix(drafted, greedy_).tolist() == [3, 1, 0]
+    assert accepted_prefix(drafted[:, :0], greedy_[:, :0]).tolist() == [0, 0, 0]
+
+
+def test_adaptive_length_grows_shrinks_and_backs_off():
+    length = DraftLength(4, adaptive=True)
+    assert length.next() == 4
+    length.update(4, 2)
+    assert length.next() == 3
+    length.update(3, 3)
+    assert length.next() == 4
+    waits = []
+    for _ in range(7):  # every probe rejected: drafting pauses for 1, 2, 4, ... plain steps, at most MAX_PAUSE
+        length.update(length.next(), 0)
+        plain = 0
+        while length.next() == 0:
+            plain += 1
+        waits.append(plain)
+    assert waits[:5] == [1, 2, 4, 8, 16] and max(waits) == MAX_PAUSE
+    fixed = DraftLength(3, adaptive=False)
+    fixed.update(3, 0)
+    assert fixed.next() == 3
+
+
+def test_the_reduced_head_over_every_token_is_the_full_head(tiny_models):
+    lm = tiny_models("gemma3")
+    engine = Engine(lm)
+    hidden = torch.randn(3, lm.model.config.hidden_size)
+    vocab = lm.model.lm_head.weight.shape[0]
+    full, _ = DraftHead(None, "cpu")(engine.arch, hidden, want_confidence=False)
+    every, p = DraftHead(torch.arange(vocab), "cpu")(engine.arch, hidden, want_confidence=True)
+    assert torch.equal(full, every) and ((p > 0) & (p <= 1)).all()
+    some = torch.tensor([3, 10, 50, 200])
+    token, _ = DraftHead(some, "cpu")(engine.arch, hidden, want_confidence=False)
+    assert set(token.tolist()) <= set(some.tolist())
+
+
+def test_the_ranking_file_serves_its_own_tokenizer_only(tiny_models, tmp_path):
+    lm = tiny_models("llama")
+    vocab = lm.model.lm_head.weight.shape[0]
+    record = write_ranking(tmp_path / "draft_vocab.json", lm.tokenizer, vocab, keep=50)
+    assert shipped_ranking(lm.tokenizer, vocab, tmp_path / "draft_vocab.json") == record["ids"]
+    assert record["ids"] == token_ranking(lm.tokenizer, vocab)[:50]
+    assert sorted(token_ranking(lm.tokenizer, vocab)) == list(range(vocab))
+    space = lm.tokenizer.convert_tokens_to_ids("Ġ")
+    assert space in record["ids"][:5]  # a space is among the commonest bytes of English and Python
+    record["ids"] = record["ids"][::-1]
+    (tmp_path / "other.json").write_text(json.dumps(record))
+    assert shipped_ranking(lm.tokenizer, vocab, tmp_path / "other.json") is None
+    assert shipped_ranking(lm.tokenizer, vocab + 1, tmp_path / "draft_vocab.json") is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(draft_k=0), f"1..{DRAFT_K_CAP}"),
+    (dict(draft_k=DRAFT_K_CAP + 1), f"1..{DRAFT_K_CAP}"),
+    (dict(draft_k=2.5), "whole number"),
+    (dict(draft_vocab=-1), ">= 0"),
+    (dict(adaptive=1.0), "[0, 1)"),
+    (dict(adaptive=-0.1), "[0.0, 1.0]"),
+])
+def test_bad_exact_settings_are_refused_with_the_allowed_range(kwargs, message):
+    with pytest.raises(InputError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")
+                       .replace(".", r"\.")):
+        ExactDecoding(**kwargs)
+
+
+def test_what_cannot_be_exact_is_refused(tiny_models):
+    lm = tiny_models("llama")
+    vocab = lm.model.lm_head.weight.shape[0]
+    with pytest.raises(InputError, match=f"0..{vocab}"):
+        Engine(lm, exact=ExactDecoding(draft_vocab=vocab + 1))
+    Engine(lm, exact=ExactDecoding(draft_vocab=vocab))  # the whole vocabulary is allowed
+    with pytest.raises(InputError, match="KV eviction"):
+        Engine(lm, kv=make_kv_policy("keyformer", budget=0.5), exact=ExactDecoding())
+    engine = Engine(lm, exact=ExactDecoding())
+    with pytest.raises(InputError, match="greedy only"):
+        list(engine.generate([LONG], GenerationSettings(max_new_tokens=4, do_sample=True)))
+    with pytest.raises(InputError, match="teacher forcing"):
+        list(engine.generate([LONG], forced=[[5, 6, 7]]))
+
+
+def test_kv_policy_full_is_allowed_and_exact(tiny_models):
+    lm = tiny_models("mistral")
+    trace = exact_trace(lm, [LONG], ExactDecoding(3), 20, kv=make_kv_policy("full"))
+    assert trace.tokens() == greedy(lm, lm.tokenizer(LONG)["input_ids"], 20)
+
+
+def test_acceptance_metrics_and_the_heatmap_row_agree(tiny_models):
+    from skipkey.quality.figures import acceptance_figure, draft_outcomes, layer_usage_figure
+
+    lm = tiny_models("gemma3", seed=2)
+    lm.model.generation_config.eos_token_id = None
+    trace = exact_trace(lm, [LONG], ExactDecoding(5), 40)
+    rate = acceptance(trace)
+    outcomes = draft_outcomes(trace)
+    assert len(outcomes) == len(trace.events) == 40
+    assert sum(o == 1.0 for o in outcomes) == rate.accepted  # one row: every accepted draft is emitted
+    assert sum(o == 0.0 for o in outcomes) == rate.verify_steps  # and each verify step adds its own token
+    assert rate.tokens_per_verify_step == pytest.approx(39 / rate.verify_steps)
+    assert 0.0 <= rate.acceptance <= 1.0 and 0 < rate.drafted <= 5 * rate.verify_steps
+    fig = acceptance_figure(trace)
+    assert list(fig.data[0].z[0][1:]) == outcomes[1:]
+    assert fig.layout.xaxis.range == layer_usage_figure(trace).layout.xaxis.range
+    plain = Trace.collect(Engine(lm), [LONG], GenerationSettings(max_new_tokens=5))
+    assert acceptance(plain) is None
+    assert "exact mode" in acceptance_figure(plain).layout.annotations[0].text
+
+
+def test_the_byte_model_counts_tokens_per_cycle_and_its_cost():
+    from skipkey.quality.metrics import speculative_speedup
+
+    assert speculative_speedup(0.0, 3, 0.4, 1.2) == pytest.approx(1 / (3 * 0.4 + 1.2))
+    assert speculative_speedup(1.0, 3, 0.4, 1.2) == pytest.approx(4 / (3 * 0.4 + 1.2))
+    assert speculative_speedup(0.8, 3, 0.4, 1.17) == pytest.approx((1 - 0.8 ** 4) / 0.2 / 2.37)
+    rates = [speculative_speedup(a / 10, 4, 0.3, 1.2) for a in range(11)]
+    assert rates == sorted(rates)
