@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps
+from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps, require_float
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv.policies import KV_POLICIES, make_kv_policy, parse_budget, parse_policy_spec, policy_options
 from skipkey.skipdecode.adapter import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS
@@ -93,6 +93,55 @@ def add_method_args(p: argparse.ArgumentParser):
                    help="h2o/keyformer/snapkv: max-pool prompt scores over K positions, keeping items whole")
     g.add_argument("--kv-normalize", action="store_true", default=None,
                    help="h2o/keyformer: divide each score by the number of queries that could see the token")
+
+
+def add_exact_args(p: argparse.ArgumentParser, bench: bool = False):
+    """Exact SkipDecode's options; ``bench`` takes lists (every combination runs) and a prediction option."""
+    from skipkey.skipdecode.exact import DRAFT_K_CAP
+
+    g = p.add_argument_group("Exact SkipDecode (the SkipDecode model drafts, the full model verifies)")
+    g.add_argument("--exact", action="store_true",
+                   help="greedy output equal to the full model's; SkipDecode options choose the draft (default "
+                        "--skip-target 2), --adapter its weights; refused with sampling and KV eviction")
+    many = dict(nargs="+") if bench else {}
+    g.add_argument("--draft-k", type=int, default=[2, 3, 4, 6, 8] if bench else 4, **many,
+                   help=f"tokens drafted per verify step, 1..{DRAFT_K_CAP} (adaptive: the most)")
+    g.add_argument("--draft-vocab", type=int, default=[0, 32768] if bench else 0, **many,
+                   help="draft head rows: the N most frequent tokens (0 = the full head); verification always "
+                        "uses the full head")
+    g.add_argument("--draft-adaptive", type=float, default=0.0, metavar="P",
+                   help="adaptive k: stop drafting below this draft probability and back off after rejected "
+                        "drafts (0 = fixed k)" + ("; bench adds one adaptive run per draft vocab" if bench else ""))
+    if bench:
+        g.add_argument("--assume-acceptance", type=float, default=None, metavar="A",
+                       help="predict with this acceptance (e.g. the embedded model's) instead of the measured "
+                            "one: for random:SHAPE models")
+
+
+def exact_from(args, draft_k: int | None = None, draft_vocab: int | None = None, adaptive: float | None = None):
+    """The ``ExactDecoding`` the options describe (None without ``--exact``)."""
+    from skipkey.skipdecode.exact import ExactDecoding
+
+    if not args.exact:
+        return None
+    return ExactDecoding(args.draft_k if draft_k is None else draft_k,
+                         adaptive=args.draft_adaptive if adaptive is None else adaptive,
+                         draft_vocab=args.draft_vocab if draft_vocab is None else draft_vocab)
+
+
+def check_exact_early(args):
+    """Refuse impossible exact options before loading a model; an exact run drafts at 2x unless told."""
+    if not getattr(args, "exact", False):
+        return
+    if getattr(args, "sample", False):
+        raise InputError("--exact is greedy only: drop --sample (or drop --exact)")
+    for k in args.draft_k if isinstance(args.draft_k, list) else [args.draft_k]:
+        for vocab in args.draft_vocab if isinstance(args.draft_vocab, list) else [args.draft_vocab]:
+            exact_from(args, k, vocab)
+    if getattr(args, "assume_acceptance", None) is not None:
+        require_float("--assume-acceptance", args.assume_acceptance, 0.0, 1.0)
+    if not skip_requested(args):
+        args.skip_target = 2.0
 
 
 def settings_from(args) -> GenerationSettings:
@@ -178,7 +227,7 @@ def transfer_record(trace) -> dict | None:
 
 def cmd_generate(args) -> int:
     from skipkey.core.engine import Engine
-    from skipkey.quality.metrics import compute, memory, speed
+    from skipkey.quality.metrics import acceptance, compute, memory, speed
     from skipkey.models import load
     from skipkey.core.trace import Trace
 
@@ -187,21 +236,24 @@ def cmd_generate(args) -> int:
         raise InputError("the prompt is empty: enter some text")
     settings = settings_from(args)
     check_methods_early(args)
+    check_exact_early(args)
     loaded = load(args.model, args.device, args.dtype, args.adapter, **placement_from(args))
     skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
-    engine = Engine(loaded, skip=skip, kv=kv)
+    engine = Engine(loaded, skip=skip, kv=kv, exact=exact_from(args))
     trace = Trace.for_engine(engine)
     record = args.json and kv is not None
     for event in engine.generate([prompt], settings, record=record):
         trace.add(event)
         if not args.json:
             print(event.texts[0], end="", flush=True)
+    verified = acceptance(trace)
     if not args.json:
         print()
         s, c, moved = speed(trace), compute(trace), transfer_record(trace)
         print(f"[{len(trace.tokens())} tokens, TTFT {s.ttft_s:.3f} s, {s.tokens_per_s:.1f} tok/s, "
-              f"{c.mean_layers:.1f}/{loaded.num_layers} layers per token, "
-              f"KV {memory(trace).kv_bytes_final / 2**20:.1f} MB"
+              + (f"exact: acceptance {verified.acceptance:.2f}, {verified.tokens_per_verify_step:.2f} tokens per "
+                 f"verify step, " if verified else f"{c.mean_layers:.1f}/{loaded.num_layers} layers per token, ")
+              + f"KV {memory(trace).kv_bytes_final / 2**20:.1f} MB"
               + (f", weights moved {moved['bytes_per_step'] / 2**20:.0f} MB per token "
                  f"(transfer ratio {moved['transfer_ratio']:.2f}x)" if moved else "") + "]", file=sys.stderr)
         return 0
@@ -210,6 +262,8 @@ def cmd_generate(args) -> int:
         "model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""),
         "placement": placement_record(loaded), "weight_transfer": transfer_record(trace),
         "skipdecode": skip.describe() if skip else None, "kv_policy": kv.describe() if kv else None,
+        "exact": engine.exact.describe() if engine.exact else None,
+        "acceptance": verified.as_dict() if verified else None,
         "prompt_tokens": trace.prompt_lengths[0], "token_ids": trace.tokens(), "text": trace.text(),
         "timings": s.as_dict(), "compute": c.as_dict(), "memory": m.as_dict(),
         "layers_per_token": [list(e.layers) for e in trace.events[: len(trace.tokens())]],
@@ -232,6 +286,9 @@ def cmd_bench(args) -> int:
 
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     check_methods_early(args)
+    check_exact_early(args)
+    if args.exact:
+        return bench_exact(args, settings)
     torch.manual_seed(0)
     # The tuned copy first: an adapter with a device map is refused before the model is read.
     tuned = load(args.model, args.device, args.dtype, args.adapter, **placement_from(args)) if args.adapter else None
@@ -275,6 +332,46 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def bench_exact(args, settings: GenerationSettings) -> int:
+    """``bench --exact``: every draft length and draft head beside the full model, at every batch size."""
+    import torch
+
+    from skipkey.core.engine import Engine
+    from skipkey.models import load
+    from skipkey.provenance import command_line, machine_description
+    from skipkey.quality.bench import format_exact_table, run_exact_bench, synthetic_prompt
+
+    torch.manual_seed(0)
+    tuned = load(args.model, args.device, args.dtype, args.adapter, **placement_from(args)) if args.adapter else None
+    loaded = load(args.model, args.device, args.dtype, **placement_from(args))
+    skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
+    drafting = tuned or loaded
+    specs = [exact_from(args, k, vocab, 0.0) for vocab in args.draft_vocab for k in args.draft_k]
+    if args.draft_adaptive:
+        specs += [exact_from(args, max(args.draft_k), vocab) for vocab in args.draft_vocab]
+    drafts = [(f"{skip.describe()}{' (tuned)' if tuned else ''}: {spec.describe()}",
+               Engine(drafting, skip=skip, kv=kv, exact=spec)) for spec in specs]
+    full = Engine(loaded)
+    results = []
+    for prompt_tokens in args.prompt_tokens:
+        for batch in args.batch:
+            prompts = [synthetic_prompt(loaded.tokenizer, prompt_tokens, salt=i) for i in range(batch)]
+            print(f"# {loaded.name} on {loaded.device} ({loaded.dtype}), batch {batch}, prompt {prompt_tokens}",
+                  file=sys.stderr)
+            result = run_exact_bench(full, drafts, prompts, settings, repeats=args.repeats, warmup=args.warmup,
+                                     assume_acceptance=args.assume_acceptance,
+                                     log=lambda msg: print(msg, file=sys.stderr))
+            result.update(model=loaded.name, adapter=args.adapter, device=str(loaded.device), dtype=str(loaded.dtype),
+                          date=time.strftime("%Y-%m-%d"), machine=machine_description(loaded.device),
+                          command=command_line(args.argv))
+            print(format_exact_table(result), flush=True)
+            results.append(result)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(results, indent=1))
+    return 0
+
+
 def cmd_finetune(args) -> int:
     from skipkey.training.finetune import main as finetune_main
 
@@ -305,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generation_args(p)
     add_method_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    add_exact_args(p)
     add_placement_args(p)
     add_adapter_arg(p, "decode with this SkipDecode LoRA adapter (from finetune) merged into the model")
     p.set_defaults(func=cmd_generate)
@@ -326,8 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"options after a colon, e.g. keyformer:observe=64,pool=7; budget= and evict_every= "
                         f"there override --kv-budget and --kv-evict-every for that policy")
     add_method_args(p)
+    add_exact_args(p, bench=True)
     add_placement_args(p)
-    add_adapter_arg(p, "also run each accelerated configuration on the model with this adapter merged")
+    add_adapter_arg(p, "also run each accelerated configuration on the model with this adapter merged "
+                       "(with --exact: the draft's weights)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="quality against the full model: agreement, ROUGE-L, perplexity, retrieval")

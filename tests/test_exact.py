@@ -281,3 +281,75 @@ def test_the_byte_model_counts_tokens_per_cycle_and_its_cost():
     assert speculative_speedup(0.8, 3, 0.4, 1.17) == pytest.approx((1 - 0.8 ** 4) / 0.2 / 2.37)
     rates = [speculative_speedup(a / 10, 4, 0.3, 1.2) for a in range(11)]
     assert rates == sorted(rates)
+
+
+# -- the command line ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from skipkey.core.tiny import tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-gemma3-exact")
+    lm = tiny_model("gemma3")
+    lm.model.save_pretrained(path)
+    lm.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def run_cli(capsys, *argv):
+    from skipkey.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_exact_prints_the_full_models_tokens_and_the_acceptance(capsys, model_dir):
+    common = ["generate", "--model", model_dir, "--device", "cpu", "--prompt", LONG, "--max-new-tokens", "16", "--json"]
+    code, out, _ = run_cli(capsys, *common)
+    full = json.loads(out)
+    code, out, _ = run_cli(capsys, *common, "--exact", "--draft-k", "3", "--draft-vocab", "64",
+                           "--draft-adaptive", "0.2")
+    exact = json.loads(out)
+    assert code == 0 and exact["token_ids"] == full["token_ids"]
+    assert exact["skipdecode"] and "exact" in exact["exact"] and "64-token draft head" in exact["exact"]
+    assert 0 <= exact["acceptance"]["acceptance"] <= 1 and exact["acceptance"]["verify_steps"] >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--draft-k", "0"], f"draft k must be in 1..{DRAFT_K_CAP}"),
+    (["--draft-k", str(DRAFT_K_CAP + 1)], f"draft k must be in 1..{DRAFT_K_CAP}"),
+    (["--draft-vocab", "-1"], "draft vocab must be in >= 0"),
+    (["--draft-vocab", "100000"], "draft vocab must be in 0..259"),
+    (["--draft-adaptive", "1.5"], "adaptive draft threshold must be in [0.0, 1.0]"),
+    (["--sample"], "--exact is greedy only"),
+    (["--kv-policy", "keyformer"], "cannot be combined with KV eviction"),
+])
+def test_bad_exact_options_exit_2_with_one_line(capsys, model_dir, argv, message):
+    code, _, err = run_cli(capsys, "generate", "--model", model_dir, "--prompt", "hi", "--exact", *argv)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: ") and message in last
+
+
+def test_bench_exact_reports_speedup_acceptance_and_the_byte_models_prediction(capsys, model_dir, tmp_path):
+    out_file = tmp_path / "exact.json"
+    code, out, _ = run_cli(capsys, "bench", "--model", model_dir, "--device", "cpu", "--exact",
+                           "--max-new-tokens", "12", "--prompt-tokens", "24", "--batch", "1", "2",
+                           "--repeats", "1", "--warmup", "0", "--draft-k", "2", "4", "--draft-vocab", "0", "64",
+                           "--draft-adaptive", "0.3", "--output", str(out_file))
+    assert code == 0 and "predicted" in out
+    results = json.loads(out_file.read_text())
+    assert [r["batch"] for r in results] == [1, 2]
+    for result in results:
+        assert len(result["exact"]) == 2 * 2 + 2  # every k for both heads, plus one adaptive run per head
+        for row in result["exact"]:
+            assert row["identical"] and row["speedup_vs_full"] > 0
+            assert 1.0 <= row["tokens_per_verify_step"] <= row["verified_tokens"]
+            assert row["predicted_speedup"] > 0 and row["draft_step_cost"] > 0 and row["verify_cost"] > 0
+    code, out, _ = run_cli(capsys, "bench", "--model", model_dir, "--device", "cpu", "--exact",
+                           "--max-new-tokens", "8", "--prompt-tokens", "24", "--repeats", "1", "--warmup", "0",
+                           "--draft-k", "3", "--draft-vocab", "0", "--assume-acceptance", "0.8",
+                           "--output", str(out_file))
+    row = json.loads(out_file.read_text())[0]["exact"][0]
+    assert row["prediction_acceptance"] == 0.8
+    assert row["predicted_speedup"] == pytest.approx((1 - 0.8 ** 4) / 0.2 / (3 * row["draft_step_cost"]
+                                                                               + row["verify_cost"]))

@@ -69,6 +69,7 @@ class StepEvent:
     drafted: int | None = None
     accepted: tuple[int, ...] | None = None
     draft_layers: tuple[tuple[int, ...], ...] | None = None
+    draft_seconds: float | None = None  # of the verify step's time, the drafting (the rest is the verify forward)
 
 
 def logits_processors(settings: GenerationSettings) -> LogitsProcessorList:

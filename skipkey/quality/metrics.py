@@ -255,3 +255,31 @@ def speculative_speedup(acceptance_rate: float, k: int, draft_cost: float, verif
     a = acceptance_rate
     tokens = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
     return tokens / (k * draft_cost + verify_cost)
+
+
+@dataclass(frozen=True)
+class VerifyCosts:
+    """Measured costs of exact decoding's parts, in seconds: one draft step, and one verify forward over
+    ``verified`` tokens (the most any verify step of the run fed: ``k + 1`` for a fixed ``k``)."""
+
+    draft_s: float
+    verify_s: float
+    verified: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def verify_costs(trace: Trace) -> VerifyCosts | None:
+    """From an exact run's verify steps: drafting time per drafted token, and the verify forward's time
+    (a step's time less its drafting) over the steps that drafted the most. None for other runs."""
+    events = trace.events
+    steps = [i for i, e in enumerate(events) if e.drafted is not None] + [len(events)]
+    cycles = [(events[a].drafted, events[a].draft_seconds, sum(e.seconds for e in events[a:b]))
+              for a, b in zip(steps, steps[1:])]
+    drafted = sum(d for d, _, _ in cycles)
+    if not cycles or not drafted:
+        return None
+    most = max(d for d, _, _ in cycles)
+    return VerifyCosts(draft_s=sum(s for _, s, _ in cycles) / drafted,
+                       verify_s=float(np.median([t - s for d, s, t in cycles if d == most])), verified=most + 1)

@@ -125,8 +125,9 @@ class ExactDecoding:
                total_steps: int, stop) -> Iterator:
         """Tokens 1.. of ``Engine.generate`` after its prompt pass: one event per token, a verify step at a time.
 
-        A verify step's first event carries ``drafted``, each row's ``accepted`` and the
-        ``draft_layers`` of each drafted token; its time is shared evenly by its tokens.
+        A verify step's first event carries ``drafted``, each row's ``accepted``, the
+        ``draft_layers`` of each drafted token and ``draft_seconds``; the step's time is
+        shared evenly by its tokens.
         """
         num_layers = engine.full_arch.num_layers
         all_layers = tuple(range(num_layers))
@@ -141,6 +142,7 @@ class ExactDecoding:
             feed = events.feed(token)
             k = min(length.next(), total_steps - step - 1)
             drafted, draft_layers = self.draft(engine, cache, feed, next_pos, plan, step, k, head, live)
+            draft_seconds = time.perf_counter() - started
             greedy = self.verify(engine, cache, torch.cat([feed[:, None], drafted], dim=1), next_pos)
             own = accepted_prefix(drafted, greedy[:, :-1])
             shared = int(own[live].min()) if bool(live.any()) else 0
@@ -150,8 +152,8 @@ class ExactDecoding:
             seconds = (time.perf_counter() - started) / count
             for i in range(count):
                 event = events.build(step + i, greedy[:, i], all_layers, started)
-                extra = dict(drafted=drafted.shape[1], accepted=tuple(own.tolist()),
-                             draft_layers=draft_layers) if i == 0 else {}
+                extra = dict(drafted=drafted.shape[1], accepted=tuple(own.tolist()), draft_layers=draft_layers,
+                             draft_seconds=draft_seconds) if i == 0 else {}
                 yield dataclasses.replace(event, seconds=seconds, **extra)
                 if events.all_finished:
                     return
