@@ -37,7 +37,9 @@ def greedy(lm, ids: list[int], n: int) -> list[int]:
                             max_new_tokens=n, do_sample=False)
     new = out[0, len(ids):].tolist()
     eos = lm.model.generation_config.eos_token_id
-    return new[: new.index(eos) + 1] if eos in new else new
+    eos = set(eos if isinstance(eos, list) else [eos])
+    end = next((i for i, t in enumerate(new) if t in eos), None)
+    return new if end is None else new[: end + 1]
 
 
 def exact_trace(lm, prompts, exact, n, skip="2x", kv=None):
@@ -353,3 +355,36 @@ def test_bench_exact_reports_speedup_acceptance_and_the_byte_models_prediction(c
     assert row["prediction_acceptance"] == 0.8
     assert row["predicted_speedup"] == pytest.approx((1 - 0.8 ** 4) / 0.2 / (3 * row["draft_step_cost"]
                                                                                + row["verify_cost"]))
+
+
+# -- the embedded model ---------------------------------------------------------------------------------
+@pytest.mark.embedded
+def test_exact_on_the_embedded_model_with_the_committed_adapter_and_draft_vocab():
+    """Gemma 3 270M, tuned adapter drafting at 2x with the shipped 32k-token head: generate's tokens, alone and
+    batched, on a prompt past the 512-token sliding window."""
+    from skipkey.core.loading import load_model
+    from skipkey.quality.prompts import ORDINARY_PROMPTS, long_text_ids
+    from skipkey.serving.app_logic import EMBEDDED_ADAPTER
+    from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
+    from skipkey.skipdecode.exact import DRAFT_VOCAB_FILE
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        lm = load_model("embedded", device="cpu", dtype="float32", progress=False)
+        vocab = lm.model.lm_head.weight.shape[0]
+        assert shipped_ranking(lm.tokenizer, vocab, DRAFT_VOCAB_FILE) is not None  # the file is for this tokenizer
+        tuned = load_tuned(lm, EMBEDDED_ADAPTER)
+        policy, shapes = adapter_schedule(read_metadata(EMBEDDED_ADAPTER))
+        skip = make_skipdecode(lm.num_layers, 15, target=2.0, policy=policy, shapes=shapes)
+        engine = Engine(tuned, skip=skip, exact=ExactDecoding(4, draft_vocab=32768))
+        prompts = [lm.tokenizer(ORDINARY_PROMPTS[0])["input_ids"], long_text_ids(lm.tokenizer, 560)]
+        settings = GenerationSettings(max_new_tokens=16)
+        batch = Trace.collect(engine, prompts, settings)
+        for row, ids in enumerate(prompts):
+            expected = greedy(lm, ids, 16)
+            assert Trace.collect(engine, [ids], settings).tokens() == expected
+            assert batch.tokens(row) == expected
+        assert acceptance(batch).accepted > 0
+    finally:
+        torch.set_num_threads(threads)
