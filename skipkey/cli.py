@@ -12,8 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps, require_float
+from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps, require_float, require_int
 from skipkey.errors import InputError, ModelLoadError
+from skipkey.quality.prompts import ORDINARY_PROMPTS
 from skipkey.kv.policies import KV_POLICIES, make_kv_policy, parse_budget, parse_policy_spec, policy_options
 from skipkey.skipdecode.adapter import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS
 from skipkey.skipdecode.schedules import SCHEDULE_KINDS
@@ -116,6 +117,10 @@ def add_exact_args(p: argparse.ArgumentParser, bench: bool = False):
         g.add_argument("--assume-acceptance", type=float, default=None, metavar="A",
                        help="predict with this acceptance (e.g. the embedded model's) instead of the measured "
                             "one: for random:SHAPE models")
+        g.add_argument("--acceptance-prompts", type=int, default=0, metavar="N",
+                       help="instead of timing: acceptance on the first N held-out prompts (at most "
+                            f"{len(ORDINARY_PROMPTS)}) for each draft depth (--compare-targets, else --skip-target), "
+                            "with and without --adapter")
 
 
 def exact_from(args, draft_k: int | None = None, draft_vocab: int | None = None, adaptive: float | None = None):
@@ -345,6 +350,8 @@ def bench_exact(args, settings: GenerationSettings) -> int:
     tuned = load(args.model, args.device, args.dtype, args.adapter, **placement_from(args)) if args.adapter else None
     loaded = load(args.model, args.device, args.dtype, **placement_from(args))
     skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
+    if args.acceptance_prompts:
+        return acceptance_study(args, settings, loaded, tuned)
     drafting = tuned or loaded
     specs = [exact_from(args, k, vocab, 0.0) for vocab in args.draft_vocab for k in args.draft_k]
     if args.draft_adaptive:
@@ -369,6 +376,38 @@ def bench_exact(args, settings: GenerationSettings) -> int:
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def acceptance_study(args, settings: GenerationSettings, loaded, tuned) -> int:
+    """``bench --exact --acceptance-prompts N``: acceptance per draft depth and draft setting, with and without
+    the adapter, on held-out prompts."""
+    from skipkey.core.engine import Engine
+    from skipkey.provenance import command_line
+    from skipkey.quality.bench import exact_acceptance
+
+    count = require_int("--acceptance-prompts", args.acceptance_prompts, 1, len(ORDINARY_PROMPTS))
+    prompts = ORDINARY_PROMPTS[:count]
+    settings = GenerationSettings(max_new_tokens=settings.max_new_tokens)  # stop at EOS, as a user's run does
+    policy, shapes = adapter_schedule_from(args)
+    steps = decode_steps(settings.max_new_tokens)
+    skips = ([make_skipdecode(loaded.num_layers, steps, target=t, policy=policy, shapes=shapes)
+              for t in args.compare_targets] or [skipdecode_from(args, loaded.num_layers, settings.max_new_tokens)])
+    models = [(loaded, "")] + ([(tuned, " (tuned)")] if tuned is not None else [])
+    drafts = [(f"{skip.describe()}{suffix}: {spec.describe()}", Engine(lm, skip=skip, exact=spec))
+              for skip in skips for lm, suffix in models
+              for spec in [exact_from(args, k, vocab, 0.0) for vocab in args.draft_vocab for k in args.draft_k]]
+    print(f"# {loaded.name}: acceptance on {count} held-out prompts, {settings.max_new_tokens} new tokens",
+          file=sys.stderr)
+    rows = exact_acceptance(drafts, prompts, settings, log=lambda msg: print(msg, file=sys.stderr))
+    width = max(len(r["variant"]) for r in rows) + 2
+    print(f"{'variant':<{width}}{'accept':>8}{'drafted':>9}{'layers':>8}")
+    for r in rows:
+        print(f"{r['variant']:<{width}}{r['acceptance']:>8.3f}{r['drafted']:>9}{r['mean_draft_layers']:>8.1f}")
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps({"model": loaded.name, "adapter": args.adapter, "rows": rows,
+                                                 "command": command_line(args.argv)}, indent=1))
     return 0
 
 

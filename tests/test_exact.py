@@ -388,3 +388,18 @@ def test_exact_on_the_embedded_model_with_the_committed_adapter_and_draft_vocab(
         assert acceptance(batch).accepted > 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_acceptance_study_reports_each_depth_and_draft_setting(capsys, model_dir, tmp_path):
+    out_file = tmp_path / "acceptance.json"
+    code, out, _ = run_cli(capsys, "bench", "--model", model_dir, "--device", "cpu", "--exact",
+                           "--acceptance-prompts", "3", "--compare-targets", "1.5", "3", "--draft-k", "3",
+                           "--draft-vocab", "0", "64", "--max-new-tokens", "10", "--output", str(out_file))
+    assert code == 0 and "accept" in out
+    rows = json.loads(out_file.read_text())["rows"]
+    assert len(rows) == 2 * 2
+    for row in rows:
+        assert 0.0 <= row["acceptance"] <= 1.0 and row["drafted"] > 0
+    assert rows[0]["mean_draft_layers"] > rows[2]["mean_draft_layers"]  # 1.5x drafts deeper than 3x
+    code, _, err = run_cli(capsys, "bench", "--model", model_dir, "--exact", "--acceptance-prompts", "49")
+    assert code == 2 and "--acceptance-prompts must be in 1..48" in err
