@@ -1,5 +1,6 @@
 """Exact SkipDecode: the SkipDecode model drafts, the full model verifies, the output is ``generate``'s."""
 
+import contextlib
 import json
 
 import pytest
@@ -42,6 +43,17 @@ def greedy(lm, ids: list[int], n: int) -> list[int]:
     return new if end is None else new[: end + 1]
 
 
+@contextlib.contextmanager
+def never_ending(lm):
+    """``lm`` (a session-wide tiny model) without EOS for the block, so every run makes all its tokens."""
+    eos = lm.model.generation_config.eos_token_id
+    lm.model.generation_config.eos_token_id = None
+    try:
+        yield lm
+    finally:
+        lm.model.generation_config.eos_token_id = eos
+
+
 def exact_trace(lm, prompts, exact, n, skip="2x", kv=None):
     if skip == "2x":
         skip = make_skipdecode(lm.num_layers, n - 1, target=2.0)
@@ -61,21 +73,19 @@ def test_exact_output_is_generates_on_every_family(tiny_models, family, exact):
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
 def test_exact_without_a_plan_and_with_the_importance_policy(tiny_models, family):
-    lm = tiny_models(family, seed=3)
-    lm.model.generation_config.eos_token_id = None  # long runs: the sliding layers move their windows often
-    ids = lm.tokenizer(LONG)["input_ids"]
-    reference = greedy(lm, ids, 60)
-    importance = make_skipdecode(lm.num_layers, 59, target=3.0, policy="importance")
-    for skip in (None, importance):
-        trace = exact_trace(lm, [LONG], ExactDecoding(DRAFT_K_CAP), 60, skip=skip)
-        assert trace.tokens() == reference
+    with never_ending(tiny_models(family, seed=3)) as lm:  # long runs: the sliding layers move their windows
+        ids = lm.tokenizer(LONG)["input_ids"]
+        reference = greedy(lm, ids, 60)
+        importance = make_skipdecode(lm.num_layers, 59, target=3.0, policy="importance")
+        for skip in (None, importance):
+            trace = exact_trace(lm, [LONG], ExactDecoding(DRAFT_K_CAP), 60, skip=skip)
+            assert trace.tokens() == reference
 
 
 def test_a_full_depth_draft_is_always_accepted(tiny_models):
     """Without a plan and with the full head the draft is the full model: every drafted token agrees."""
-    lm = tiny_models("llama")
-    lm.model.generation_config.eos_token_id = None
-    trace = exact_trace(lm, [LONG], ExactDecoding(4), 30, skip=None)
+    with never_ending(tiny_models("llama")) as lm:
+        trace = exact_trace(lm, [LONG], ExactDecoding(4), 30, skip=None)
     rate = acceptance(trace)
     assert rate.acceptance == 1.0
     assert rate.tokens_per_verify_step > 4.0  # 5 per full cycle; the last cycle is cut to the token count
@@ -257,9 +267,8 @@ def test_kv_policy_full_is_allowed_and_exact(tiny_models):
 def test_acceptance_metrics_and_the_heatmap_row_agree(tiny_models):
     from skipkey.quality.figures import acceptance_figure, draft_outcomes, layer_usage_figure
 
-    lm = tiny_models("gemma3", seed=2)
-    lm.model.generation_config.eos_token_id = None
-    trace = exact_trace(lm, [LONG], ExactDecoding(5), 40)
+    with never_ending(tiny_models("gemma3", seed=2)) as lm:
+        trace = exact_trace(lm, [LONG], ExactDecoding(5), 40)
     rate = acceptance(trace)
     outcomes = draft_outcomes(trace)
     assert len(outcomes) == len(trace.events) == 40
