@@ -401,9 +401,10 @@ def acceptance_study(args, settings: GenerationSettings, loaded, tuned) -> int:
           file=sys.stderr)
     rows = exact_acceptance(drafts, prompts, settings, log=lambda msg: print(msg, file=sys.stderr))
     width = max(len(r["variant"]) for r in rows) + 2
-    print(f"{'variant':<{width}}{'accept':>8}{'drafted':>9}{'layers':>8}")
+    print(f"{'variant':<{width}}{'accept':>8}{'agree':>8}{'drafted':>9}{'layers':>8}")
     for r in rows:
-        print(f"{r['variant']:<{width}}{r['acceptance']:>8.3f}{r['drafted']:>9}{r['mean_draft_layers']:>8.1f}")
+        print(f"{r['variant']:<{width}}{r['acceptance']:>8.3f}{r['agreement']:>8.3f}{r['drafted']:>9}"
+              f"{r['mean_draft_layers']:>8.1f}")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps({"model": loaded.name, "adapter": args.adapter, "rows": rows,

@@ -276,6 +276,8 @@ def test_acceptance_metrics_and_the_heatmap_row_agree(tiny_models):
     assert sum(o == 0.0 for o in outcomes) == rate.verify_steps  # and each verify step adds its own token
     assert rate.tokens_per_verify_step == pytest.approx(39 / rate.verify_steps)
     assert 0.0 <= rate.acceptance <= 1.0 and 0 < rate.drafted <= 5 * rate.verify_steps
+    assert rate.rejected == sum(e.drafted is not None and e.accepted[0] < e.drafted for e in trace.events)
+    assert rate.agreement >= rate.acceptance  # a rejection leaves the drafts after it unjudged
     fig = acceptance_figure(trace)
     assert list(fig.data[0].z[0][1:]) == outcomes[1:]
     assert fig.layout.xaxis.range == layer_usage_figure(trace).layout.xaxis.range
@@ -356,6 +358,7 @@ def test_bench_exact_reports_speedup_acceptance_and_the_byte_models_prediction(c
             assert row["identical"] and row["speedup_vs_full"] > 0
             assert 1.0 <= row["tokens_per_verify_step"] <= row["verified_tokens"]
             assert row["predicted_speedup"] > 0 and row["draft_step_cost"] > 0 and row["verify_cost"] > 0
+            assert row["prediction_acceptance"] == row["agreement"] >= row["acceptance"]
     code, out, _ = run_cli(capsys, "bench", "--model", model_dir, "--device", "cpu", "--exact",
                            "--max-new-tokens", "8", "--prompt-tokens", "24", "--repeats", "1", "--warmup", "0",
                            "--draft-k", "3", "--draft-vocab", "0", "--assume-acceptance", "0.8",

@@ -220,7 +220,12 @@ class Acceptance:
     verify_steps: int
     drafted: int  # drafted tokens, summed over verify steps and rows
     accepted: int  # of those, the ones the full model agreed with (each row's own leading run)
+    rejected: int  # verify steps and rows where a drafted token was rejected
     acceptance: float  # accepted / drafted (nan when nothing was drafted)
+    # accepted / (accepted + rejected): the chance the full model agrees with a drafted token once it agreed
+    # with every one before it. The byte model's ``a`` (drafts after a rejection are never judged, so
+    # ``acceptance`` understates it for k > 1).
+    agreement: float
     tokens_per_verify_step: float  # decode tokens per row and verify step
     mean_draft_length: float
 
@@ -234,13 +239,15 @@ def acceptance(trace: Trace) -> Acceptance | None:
     steps = [i for i, e in enumerate(events) if e.drafted is not None]
     if not steps:
         return None
-    drafted = accepted = 0
+    drafted = accepted = rejected = 0
     for i in steps:
         generating = [not done for done in events[i - 1].finished]
         drafted += events[i].drafted * sum(generating)
         accepted += sum(a for a, live in zip(events[i].accepted, generating) if live)
-    return Acceptance(verify_steps=len(steps), drafted=drafted, accepted=accepted,
+        rejected += sum(a < events[i].drafted for a, live in zip(events[i].accepted, generating) if live)
+    return Acceptance(verify_steps=len(steps), drafted=drafted, accepted=accepted, rejected=rejected,
                       acceptance=accepted / drafted if drafted else float("nan"),
+                      agreement=accepted / (accepted + rejected) if accepted + rejected else float("nan"),
                       tokens_per_verify_step=len(trace.decode_events) / len(steps),
                       mean_draft_length=float(np.mean([events[i].drafted for i in steps])))
 
