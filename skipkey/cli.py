@@ -331,10 +331,15 @@ def cmd_bench(args) -> int:
                           command=command_line(args.argv))
             print(format_table(result), flush=True)
             results.append(result)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(results, indent=1))
+    write_output(args.output, results)
     return 0
+
+
+def write_output(path: str | None, record) -> None:
+    """A command's results as JSON at ``--output`` (nothing without it)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(record, indent=1))
 
 
 def bench_exact(args, settings: GenerationSettings) -> int:
@@ -373,9 +378,7 @@ def bench_exact(args, settings: GenerationSettings) -> int:
                           command=command_line(args.argv))
             print(format_exact_table(result), flush=True)
             results.append(result)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(results, indent=1))
+    write_output(args.output, results)
     return 0
 
 
@@ -405,10 +408,8 @@ def acceptance_study(args, settings: GenerationSettings, loaded, tuned) -> int:
     for r in rows:
         print(f"{r['variant']:<{width}}{r['acceptance']:>8.3f}{r['agreement']:>8.3f}{r['drafted']:>9}"
               f"{r['mean_draft_layers']:>8.1f}")
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps({"model": loaded.name, "adapter": args.adapter, "rows": rows,
-                                                 "command": command_line(args.argv)}, indent=1))
+    write_output(args.output, {"model": loaded.name, "adapter": args.adapter, "rows": rows,
+                               "command": command_line(args.argv)})
     return 0
 
 

@@ -297,23 +297,7 @@ def test_the_byte_model_counts_tokens_per_cycle_and_its_cost():
 
 
 # -- the command line ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from skipkey.core.tiny import tiny_model
-
-    path = tmp_path_factory.mktemp("tiny-gemma3-exact")
-    lm = tiny_model("gemma3")
-    lm.model.save_pretrained(path)
-    lm.tokenizer.save_pretrained(path)
-    return str(path)
-
-
-def run_cli(capsys, *argv):
-    from skipkey.cli import main
-
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+from test_cli import model_dir, run_cli  # noqa: E402,F401  (the CLI tests' tiny model directory and runner)
 
 
 def test_generate_exact_prints_the_full_models_tokens_and_the_acceptance(capsys, model_dir):
