@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -131,7 +132,9 @@ class ExactDecoding:
         """
         num_layers = engine.full_arch.num_layers
         all_layers = tuple(range(num_layers))
-        head = DraftHead(self._draft_ids(engine), engine.head_device)
+        head = _HEADS.get(engine)
+        if head is None:  # once per engine: the ranking and the head's rows are not part of any step's cost
+            head = _HEADS[engine] = DraftHead(self._draft_ids(engine), engine.head_device)
         length = DraftLength(self.draft_k, self.adaptive > 0)
         step = 1
         while step < total_steps:
@@ -211,6 +214,9 @@ class ExactDecoding:
         eos = [t for t in sorted(engine.eos_ids) if 0 <= t < vocab]
         ids = list(dict.fromkeys(eos + ranking))[:self.draft_vocab]  # the draft can always end a text
         return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # each engine's draft head, built on first use
 
 
 def accepted_prefix(drafted: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
