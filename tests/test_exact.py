@@ -399,3 +399,13 @@ def test_the_acceptance_study_reports_each_depth_and_draft_setting(capsys, model
     assert rows[0]["mean_draft_layers"] > rows[2]["mean_draft_layers"]  # 1.5x drafts deeper than 3x
     code, _, err = run_cli(capsys, "bench", "--model", model_dir, "--exact", "--acceptance-prompts", "49")
     assert code == 2 and "--acceptance-prompts must be in 1..48" in err
+
+
+def test_exact_starts_from_a_recorded_prompt_pass(tiny_models):
+    lm = tiny_models("gemma3")
+    engine = Engine(lm, skip=make_skipdecode(lm.num_layers, 19, target=2.0), exact=ExactDecoding(3))
+    recorded = engine.prompt_pass([LONG])
+    settings = GenerationSettings(max_new_tokens=20)
+    replayed = Trace.collect(engine, [LONG], settings, prompt_pass=recorded)
+    assert replayed.tokens() == exact_trace(lm, [LONG], ExactDecoding(3), 20).tokens() == \
+        greedy(lm, lm.tokenizer(LONG)["input_ids"], 20)
