@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from skipkey.config import GenerationSettings, decode_steps
+from skipkey.config import GenerationSettings, decode_steps, require_int
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv.policies import KV_POLICIES
-from skipkey.options import (add_adapter_arg, add_generation_args, add_method_args, add_model_args,
+from skipkey.options import (add_adapter_arg, add_exact_args, check_exact_early, exact_from, add_generation_args, add_method_args, add_model_args,
                              add_placement_args, adapter_schedule_from, check_methods_early, kv_policy_from,
                              methods_from, placement_from, settings_from)
 from skipkey.skipdecode.adapter import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS
@@ -40,7 +40,7 @@ def transfer_record(trace) -> dict | None:
 
 def cmd_generate(args) -> int:
     from skipkey.core.engine import Engine
-    from skipkey.quality.metrics import compute, memory, speed
+    from skipkey.quality.metrics import acceptance, compute, memory, speed
     from skipkey.models import load
     from skipkey.core.trace import Trace
 
@@ -49,21 +49,24 @@ def cmd_generate(args) -> int:
         raise InputError("the prompt is empty: enter some text")
     settings = settings_from(args)
     check_methods_early(args)
+    check_exact_early(args)
     loaded = load(args.model, args.device, args.dtype, args.adapter, **placement_from(args))
     skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
-    engine = Engine(loaded, skip=skip, kv=kv)
+    engine = Engine(loaded, skip=skip, kv=kv, exact=exact_from(args))
     trace = Trace.for_engine(engine)
     record = args.json and kv is not None
     for event in engine.generate([prompt], settings, record=record):
         trace.add(event)
         if not args.json:
             print(event.texts[0], end="", flush=True)
+    verified = acceptance(trace)
     if not args.json:
         print()
         s, c, moved = speed(trace), compute(trace), transfer_record(trace)
         print(f"[{len(trace.tokens())} tokens, TTFT {s.ttft_s:.3f} s, {s.tokens_per_s:.1f} tok/s, "
-              f"{c.mean_layers:.1f}/{loaded.num_layers} layers per token, "
-              f"KV {memory(trace).kv_bytes_final / 2**20:.1f} MB"
+              + (f"exact: acceptance {verified.acceptance:.2f}, {verified.tokens_per_verify_step:.2f} tokens per "
+                 f"verify step, " if verified else f"{c.mean_layers:.1f}/{loaded.num_layers} layers per token, ")
+              + f"KV {memory(trace).kv_bytes_final / 2**20:.1f} MB"
               + (f", weights moved {moved['bytes_per_step'] / 2**20:.0f} MB per token "
                  f"(transfer ratio {moved['transfer_ratio']:.2f}x)" if moved else "") + "]", file=sys.stderr)
         return 0
@@ -72,6 +75,8 @@ def cmd_generate(args) -> int:
         "model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""),
         "placement": placement_record(loaded), "weight_transfer": transfer_record(trace),
         "skipdecode": skip.describe() if skip else None, "kv_policy": kv.describe() if kv else None,
+        "exact": engine.exact.describe() if engine.exact else None,
+        "acceptance": verified.as_dict() if verified else None,
         "prompt_tokens": trace.prompt_lengths[0], "token_ids": trace.tokens(), "text": trace.text(),
         "timings": s.as_dict(), "compute": c.as_dict(), "memory": m.as_dict(),
         "layers_per_token": [list(e.layers) for e in trace.events[: len(trace.tokens())]],
@@ -94,6 +99,9 @@ def cmd_bench(args) -> int:
 
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     check_methods_early(args)
+    check_exact_early(args)
+    if args.exact:
+        return bench_exact(args, settings)
     torch.manual_seed(0)
     # The tuned copy first: an adapter with a device map is refused before the model is read.
     tuned = load(args.model, args.device, args.dtype, args.adapter, **placement_from(args)) if args.adapter else None
@@ -131,9 +139,86 @@ def cmd_bench(args) -> int:
                           command=command_line(args.argv))
             print(format_table(result), flush=True)
             results.append(result)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(results, indent=1))
+    write_output(args.output, results)
+    return 0
+
+
+def write_output(path: str | None, record) -> None:
+    """A command's results as JSON at ``--output`` (nothing without it)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(record, indent=1))
+
+
+def bench_exact(args, settings: GenerationSettings) -> int:
+    """``bench --exact``: every draft length and draft head beside the full model, at every batch size."""
+    import torch
+
+    from skipkey.core.engine import Engine
+    from skipkey.models import load
+    from skipkey.provenance import command_line, machine_description
+    from skipkey.quality.bench import format_exact_table, run_exact_bench, synthetic_prompt
+
+    torch.manual_seed(0)
+    tuned = load(args.model, args.device, args.dtype, args.adapter, **placement_from(args)) if args.adapter else None
+    loaded = load(args.model, args.device, args.dtype, **placement_from(args))
+    skip, kv = methods_from(args, loaded.num_layers, settings.max_new_tokens)
+    if args.acceptance_prompts:
+        return acceptance_study(args, settings, loaded, tuned)
+    drafting = tuned or loaded
+    specs = [exact_from(args, k, vocab, 0.0) for vocab in args.draft_vocab for k in args.draft_k]
+    if args.draft_adaptive:
+        specs += [exact_from(args, max(args.draft_k), vocab) for vocab in args.draft_vocab]
+    drafts = [(f"{skip.describe()}{' (tuned)' if tuned else ''}: {spec.describe()}",
+               Engine(drafting, skip=skip, kv=kv, exact=spec)) for spec in specs]
+    full = Engine(loaded)
+    results = []
+    for prompt_tokens in args.prompt_tokens:
+        for batch in args.batch:
+            prompts = [synthetic_prompt(loaded.tokenizer, prompt_tokens, salt=i) for i in range(batch)]
+            print(f"# {loaded.name} on {loaded.device} ({loaded.dtype}), batch {batch}, prompt {prompt_tokens}",
+                  file=sys.stderr)
+            result = run_exact_bench(full, drafts, prompts, settings, repeats=args.repeats, warmup=args.warmup,
+                                     assume_acceptance=args.assume_acceptance,
+                                     log=lambda msg: print(msg, file=sys.stderr))
+            result.update(model=loaded.name, adapter=args.adapter, device=str(loaded.device), dtype=str(loaded.dtype),
+                          date=time.strftime("%Y-%m-%d"), machine=machine_description(loaded.device),
+                          command=command_line(args.argv))
+            print(format_exact_table(result), flush=True)
+            results.append(result)
+    write_output(args.output, results)
+    return 0
+
+
+def acceptance_study(args, settings: GenerationSettings, loaded, tuned) -> int:
+    """``bench --exact --acceptance-prompts N``: acceptance per draft depth and draft setting, with and without
+    the adapter, on held-out prompts."""
+    from skipkey.core.engine import Engine
+    from skipkey.provenance import command_line
+    from skipkey.quality.bench import exact_acceptance
+    from skipkey.quality.prompts import ORDINARY_PROMPTS
+
+    count = require_int("--acceptance-prompts", args.acceptance_prompts, 1, len(ORDINARY_PROMPTS))
+    prompts = ORDINARY_PROMPTS[:count]
+    settings = GenerationSettings(max_new_tokens=settings.max_new_tokens)  # stop at EOS, as a user's run does
+    policy, shapes = adapter_schedule_from(args)
+    steps = decode_steps(settings.max_new_tokens)
+    skips = ([SkipDecodeSpec(target=t, policy=policy, shapes=shapes).build(loaded.num_layers, steps)
+              for t in args.compare_targets] or [methods_from(args, loaded.num_layers, settings.max_new_tokens)[0]])
+    models = [(loaded, "")] + ([(tuned, " (tuned)")] if tuned is not None else [])
+    drafts = [(f"{skip.describe()}{suffix}: {spec.describe()}", Engine(lm, skip=skip, exact=spec))
+              for skip in skips for lm, suffix in models
+              for spec in [exact_from(args, k, vocab, 0.0) for vocab in args.draft_vocab for k in args.draft_k]]
+    print(f"# {loaded.name}: acceptance on {count} held-out prompts, {settings.max_new_tokens} new tokens",
+          file=sys.stderr)
+    rows = exact_acceptance(drafts, prompts, settings, log=lambda msg: print(msg, file=sys.stderr))
+    width = max(len(r["variant"]) for r in rows) + 2
+    print(f"{'variant':<{width}}{'accept':>8}{'agree':>8}{'drafted':>9}{'layers':>8}")
+    for r in rows:
+        print(f"{r['variant']:<{width}}{r['acceptance']:>8.3f}{r['agreement']:>8.3f}{r['drafted']:>9}"
+              f"{r['mean_draft_layers']:>8.1f}")
+    write_output(args.output, {"model": loaded.name, "adapter": args.adapter, "rows": rows,
+                               "command": command_line(args.argv)})
     return 0
 
 
@@ -167,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generation_args(p)
     add_method_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    add_exact_args(p)
     add_placement_args(p)
     add_adapter_arg(p, "decode with this SkipDecode LoRA adapter (from finetune) merged into the model")
     p.set_defaults(func=cmd_generate)
@@ -188,8 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"options after a colon, e.g. keyformer:observe=64,pool=7; budget= and evict_every= "
                         f"there override --kv-budget and --kv-evict-every for that policy")
     add_method_args(p)
+    add_exact_args(p, bench=True)
     add_placement_args(p)
-    add_adapter_arg(p, "also run each accelerated configuration on the model with this adapter merged")
+    add_adapter_arg(p, "also run each accelerated configuration on the model with this adapter merged "
+                       "(with --exact: the draft's weights)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="quality against the full model: agreement, ROUGE-L, perplexity, retrieval")

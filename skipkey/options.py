@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps
+from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps, require_float
 from skipkey.errors import InputError
 from skipkey.kv.policies import KV_POLICIES, KVSpec, parse_budget, parse_policy_spec, policy_options
+from skipkey.quality.prompts import ORDINARY_PROMPTS
+from skipkey.skipdecode.exact import DRAFT_K_CAP, ExactDecoding
 from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecodeSpec
 from skipkey.skipdecode.schedules import SCHEDULE_KINDS
 
@@ -154,3 +156,52 @@ def check_methods_early(args):
         kv_policy_from(args)
     for spec in getattr(args, "compare_kv", []):
         kv_policy_from(args, spec, strict=False)
+
+
+def add_exact_args(p: argparse.ArgumentParser, bench: bool = False):
+    """Exact SkipDecode's options; ``bench`` takes lists (every combination runs) and a prediction option."""
+    g = p.add_argument_group("Exact SkipDecode (the SkipDecode model drafts, the full model verifies)")
+    g.add_argument("--exact", action="store_true",
+                   help="greedy output equal to the full model's; SkipDecode options choose the draft (default "
+                        "--skip-target 2), --adapter its weights; refused with sampling and KV eviction")
+    many = dict(nargs="+") if bench else {}
+    g.add_argument("--draft-k", type=int, default=[2, 3, 4, 6, 8] if bench else 4, **many,
+                   help=f"tokens drafted per verify step, 1..{DRAFT_K_CAP} (adaptive: the most)")
+    g.add_argument("--draft-vocab", type=int, default=[0, 32768] if bench else 0, **many,
+                   help="draft head rows: the N most frequent tokens (0 = the full head); verification always "
+                        "uses the full head")
+    g.add_argument("--draft-adaptive", type=float, default=0.0, metavar="P",
+                   help="adaptive k: stop drafting below this draft probability and back off after rejected "
+                        "drafts (0 = fixed k)" + ("; bench adds one adaptive run per draft vocab" if bench else ""))
+    if bench:
+        g.add_argument("--assume-acceptance", type=float, default=None, metavar="A",
+                       help="predict with this acceptance (e.g. the embedded model's) instead of the measured "
+                            "one: for random:SHAPE models")
+        g.add_argument("--acceptance-prompts", type=int, default=0, metavar="N",
+                       help="instead of timing: acceptance on the first N held-out prompts (at most "
+                            f"{len(ORDINARY_PROMPTS)}) for each draft depth (--compare-targets, else --skip-target), "
+                            "with and without --adapter")
+
+
+def exact_from(args, draft_k: int | None = None, draft_vocab: int | None = None, adaptive: float | None = None):
+    """The ``ExactDecoding`` the options describe (None without ``--exact``)."""
+    if not args.exact:
+        return None
+    return ExactDecoding(args.draft_k if draft_k is None else draft_k,
+                         adaptive=args.draft_adaptive if adaptive is None else adaptive,
+                         draft_vocab=args.draft_vocab if draft_vocab is None else draft_vocab)
+
+
+def check_exact_early(args):
+    """Refuse impossible exact options before loading a model; an exact run drafts at 2x unless told."""
+    if not getattr(args, "exact", False):
+        return
+    if getattr(args, "sample", False):
+        raise InputError("--exact is greedy only: drop --sample (or drop --exact)")
+    for k in args.draft_k if isinstance(args.draft_k, list) else [args.draft_k]:
+        for vocab in args.draft_vocab if isinstance(args.draft_vocab, list) else [args.draft_vocab]:
+            exact_from(args, k, vocab)
+    if getattr(args, "assume_acceptance", None) is not None:
+        require_float("--assume-acceptance", args.assume_acceptance, 0.0, 1.0)
+    if not skip_requested(args):
+        args.skip_target = 2.0

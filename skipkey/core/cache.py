@@ -38,11 +38,12 @@ class LayerCache:
     """Keys, values, their positions and (for scoring policies) accumulated scores."""
 
     __slots__ = ("keys", "values", "positions", "scores", "window", "used", "held", "dense", "reuse",
-                 "settled", "full_from", "free_slot", "scored")
+                 "settled", "full_from", "free_slot", "scored", "lookback")
 
     def __init__(self, window: int | None):
         self.window = window
         self.scored = True  # a KV policy's budget binds here: score and evict (else append, like full mode)
+        self.lookback = 0  # slots a sliding layer's move keeps beyond its window, so they can be rolled back
         self.clear()
 
     def clear(self):
@@ -162,7 +163,7 @@ class LayerCache:
     def _make_room(self, q: int):
         """Appending layer out of slots: a sliding layer moves its window to the front, others grow."""
         if self.window is not None and not self.reuse:
-            keep = min(self.used, self.window - 1)
+            keep = min(self.used, self.window - 1 + self.lookback)
             lo = self.used - keep
             if keep + q <= self.capacity and lo >= keep:  # source and destination do not overlap
                 self.keys[:, :, :keep].copy_(self.keys[:, :, lo:self.used])
@@ -268,6 +269,22 @@ class LayerCache:
         self.keys, self.values, self.positions = keys, values, positions
         self.used = held
 
+    def rollback(self, count: int):
+        """Appending layers: take back the last ``count`` tokens written, by length (no copies).
+
+        Their slots are marked EMPTY and written again by the next tokens. Exact as long
+        as no move to the front (``_make_room``) has dropped a slot since those tokens
+        were written: ``VerifyingLayerCache`` keeps enough slack for that.
+        """
+        if count <= 0 or self.keys is None:
+            return
+        if self.reuse or count > self.used:
+            raise ValueError(f"cannot roll back {count} of {self.used} slots of an evicting layer" if self.reuse
+                             else f"cannot roll back {count} tokens: the layer holds {self.used} slots")
+        self.used -= count
+        self.positions[..., self.used:self.used + count] = EMPTY
+        self.held = max(0, self.held - count)
+
     def kept_positions(self) -> torch.Tensor | None:
         """Positions kept for later queries, ``[B, Hp, held]`` in position order (EMPTY first where a row
         or head keeps fewer): the same whatever slots they sit in."""
@@ -278,11 +295,45 @@ class LayerCache:
         return kept.sort(dim=-1).values[..., kept.shape[-1] - self.held:]
 
 
+class VerifyingLayerCache(LayerCache):
+    """An appending layer whose newest tokens can be taken back: self-speculative decoding.
+
+    A verify forward feeds ``q`` tokens at once. In a sliding layer the first of them
+    needs the ``window - 1`` tokens before it, so ``q + window - 1`` slots are visible
+    (the mask, built from positions, keeps each query inside its own window). A move
+    to the front keeps ``window - 1 + lookback`` slots, so rolling back up to
+    ``lookback`` tokens never reaches a slot the move dropped.
+    """
+
+    __slots__ = ("fed",)
+
+    def __init__(self, window: int | None, lookback: int):
+        super().__init__(window)
+        self.lookback = lookback
+        self.fed = 1  # tokens in the forward that wrote last
+
+    def write(self, keys, values, positions, dense, start_score=None):
+        self.fed = keys.shape[2]
+        return super().write(keys, values, positions, dense, start_score)
+
+    def visible(self) -> slice:
+        if self.window is not None and self.settled:
+            return slice(max(0, self.used - self.window + 1 - self.fed), self.used)
+        return slice(0, self.used)
+
+
 class KVCache:
     """Per-layer caches, written by SkipKey's attention function (``skipkey.core.attention``)."""
 
     def __init__(self, windows: list[int | None]):
         self.layers = [LayerCache(w) for w in windows]
+
+    @classmethod
+    def verifying(cls, windows: list[int | None], lookback: int) -> "KVCache":
+        """Appending caches that can take back up to ``lookback`` tokens per layer (``VerifyingLayerCache``)."""
+        cache = cls([])
+        cache.layers = [VerifyingLayerCache(w, lookback) for w in windows]
+        return cache
 
     @property
     def nbytes(self) -> int:

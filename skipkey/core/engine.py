@@ -64,6 +64,12 @@ class StepEvent:
     prompt_lengths: tuple[int, ...] | None = None  # on the first event only
     logprobs: tuple[float, ...] | None = None  # of the forced tokens, when teacher forcing
     greedy: tuple[int, ...] | None = None  # the model's own argmax where a token was forced
+    # Exact decoding (``skipkey.skipdecode.exact``), on the first token of each verify step only: the tokens
+    # drafted, how many of them each row's full model agreed with, and the layers each drafted token ran.
+    drafted: int | None = None
+    accepted: tuple[int, ...] | None = None
+    draft_layers: tuple[tuple[int, ...], ...] | None = None
+    draft_seconds: float | None = None  # of the verify step's time, the drafting (the rest is the verify forward)
 
 
 def logits_processors(settings: GenerationSettings) -> LogitsProcessorList:
@@ -97,9 +103,13 @@ class _Detokenizer:
 
 
 class Engine:
-    """Runs one model with an optional SkipDecode plan and an optional KV policy."""
+    """Runs one model with an optional SkipDecode plan and an optional KV policy.
 
-    def __init__(self, loaded, skip=None, kv=None):
+    ``exact`` (an ``ExactDecoding``) makes the plan a draft that the full model verifies: greedy output
+    equal to the full model's.
+    """
+
+    def __init__(self, loaded, skip=None, kv=None, exact=None):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -120,6 +130,9 @@ class Engine:
         self.device = self.arch.input_device
         self.layer_devices = tuple(self.arch.layer_device(i) for i in range(self.arch.num_layers))
         self.head_device = self.arch.head_device
+        self.exact = exact
+        if exact is not None:
+            exact.validate(self)
 
     # -- input ----------------------------------------------------------------
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -233,12 +246,11 @@ class Engine:
         perplexity and teacher-forced next-token accuracy are measured.
         """
         settings, forced_ids = self._forcing(prompts, settings, forced)
+        if self.exact is not None:
+            self.exact.check(settings, forced)
         batch = _Batch.build(self.encode(prompts, settings.max_new_tokens), self.pad_id, self.device)
         total_steps = settings.max_new_tokens
-        cache = KVCache([info.sliding_window for info in self.arch.layer_info])
-        retention = Appending(total_steps) if self.kv is None else \
-            self.kv.retention(batch.lengths, batch.positions.device, total_steps)
-        retention.prepare(cache)
+        cache, retention = self._storage(batch, total_steps)
         choose = _TokenChooser(settings, forced_ids, batch.input_ids)
         events = _EventBuilder(self, batch.rows, settings, cache, record)
         all_layers = tuple(range(self.arch.num_layers))
@@ -259,6 +271,10 @@ class Engine:
                            prompt_lengths=tuple(batch.lengths))
 
         next_pos = torch.tensor(batch.lengths, device=self.device)
+        if self.exact is not None:
+            yield from self.exact.decode(self, cache, events, plan, token, next_pos, total_steps, stop)
+            cache.layers.clear()
+            return
         for step in range(1, total_steps):
             if events.all_finished or (stop is not None and stop.is_set()):
                 break
@@ -275,6 +291,17 @@ class Engine:
             token, scored = choose(step, logits)
             yield events.build(step, token, layers, started, scored)
         cache.layers.clear()
+
+    def _storage(self, batch: "_Batch", total_steps: int):
+        """The run's cache and what each layer keeps of it (an exact run's verify forward writes k + 1 at once)."""
+        windows = [info.sliding_window for info in self.arch.layer_info]
+        exact = self.exact
+        cache = KVCache(windows) if exact is None else exact.new_cache(windows)
+        room = total_steps + (0 if exact is None else exact.lookback)
+        retention = Appending(room) if self.kv is None else self.kv.retention(batch.lengths, batch.positions.device,
+                                                                              room)
+        retention.prepare(cache)
+        return cache, retention
 
     def _forcing(self, prompts, settings: GenerationSettings | None, forced):
         """Settings for the run and the forced tokens as a tensor (teacher forcing), validated."""

@@ -19,8 +19,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
-from skipkey.quality.metrics import (Compute, Speed, StepCost, Traffic, Transfer, compute, memory, speed, step_cost, traffic,
-                             transfer)
+from skipkey.quality.metrics import (Compute, Speed, StepCost, Traffic, Transfer, acceptance, compute, memory, speed,
+                                     speculative_speedup, step_cost, traffic, transfer, verify_costs)
 from skipkey.core.trace import Trace, run_lockstep
 
 FILLER = ("The committee met on a grey morning to review the harbour's accounts. Ships had come and gone, "
@@ -247,3 +247,110 @@ def format_table(result: dict) -> str:
                      f"{fmt(r.get('ms_per_layer'), '9.2f')}{fmt(r.get('fixed_ms'), '9.1f')}"
                      f"{fmt(moved, '9.1f')}{fmt(r.get('transfer_ratio'), '9.2f', 'x')}")
     return "\n".join(lines)
+
+
+def run_exact_bench(full: Engine, drafts: list[tuple[str, Engine]], prompt_ids: list[list[int]],
+                    settings: GenerationSettings, repeats: int = 3, warmup: int = 1,
+                    assume_acceptance: float | None = None, log=print) -> dict:
+    """Each exact engine (``Engine(..., exact=...)``) beside the full model, step for step (``run_lockstep``).
+
+    Per engine: the measured speedup (median of each run's own ratio), whether the
+    tokens were the full model's, the drafts' acceptance and tokens per verify step,
+    the measured costs of a draft step and of a verify forward (in full decode steps),
+    and the byte model's speedup from those and the measured per-token agreement
+    (``Acceptance.agreement``, the model's ``a``; ``speculative_speedup``). With
+    ``assume_acceptance`` the prediction uses that acceptance instead of the measured
+    one: the way to predict for random-weight shapes, whose drafts mean nothing.
+    """
+    short = GenerationSettings(max_new_tokens=4, ignore_eos=True)
+    for _, engine in [("full", full), *drafts]:  # first calls pay for thread pools and lazily built tables
+        Trace.collect(engine, [p[:16] for p in prompt_ids], short)
+    rows = []
+    for label, engine in drafts:
+        ratios, pairs = [], []
+        for i in range(warmup + repeats):
+            gc.collect()
+            traces = (Trace.for_engine(full), Trace.for_engine(engine))
+            run_lockstep([full.generate(prompt_ids, settings), engine.generate(prompt_ids, settings)], traces,
+                         first_round=i - warmup)
+            if i >= warmup:
+                ratios.append(speed(traces[1]).tokens_per_s / speed(traces[0]).tokens_per_s)
+                pairs.append(traces)
+        rows.append(_exact_row(label, engine, ratios, pairs, assume_acceptance))
+        row = rows[-1]
+        log(f"  {label}: {row['speedup_vs_full']:.2f}x, acceptance {row['acceptance']:.2f}, "
+            f"{row['tokens_per_verify_step']:.2f} tokens per verify step, byte model {row['predicted_speedup']:.2f}x"
+            f"{'' if row['identical'] else ', OUTPUT DIFFERS FROM THE FULL MODEL'}")
+    return {"batch": len(prompt_ids), "prompt_tokens": [len(p) for p in prompt_ids],
+            "max_new_tokens": settings.max_new_tokens, "repeats": repeats, "exact": rows}
+
+
+def _exact_row(label: str, engine: Engine, ratios: list[float], pairs: list[tuple[Trace, Trace]],
+               assume_acceptance: float | None) -> dict:
+    rows = range(pairs[0][0].rows)
+    identical = all(full.tokens(r) == exact.tokens(r) for full, exact in pairs for r in rows)
+    accepted = [acceptance(exact) for _, exact in pairs]
+    drafted = sum(a.drafted for a in accepted)
+    rate = sum(a.accepted for a in accepted) / drafted if drafted else float("nan")
+    judged = sum(a.accepted + a.rejected for a in accepted)
+    agreement = sum(a.accepted for a in accepted) / judged if judged else float("nan")
+    step_s = statistics.median(e.seconds for full, _ in pairs for e in full.decode_events)
+    costs = [c for _, exact in pairs if (c := verify_costs(exact)) is not None]
+    draft = statistics.median(c.draft_s for c in costs) / step_s if costs else None
+    verify = statistics.median(c.verify_s for c in costs) / step_s if costs else None
+    k = max(c.verified for c in costs) - 1 if costs else 0
+    used = agreement if assume_acceptance is None else assume_acceptance
+    predicted = speculative_speedup(used, k, draft, verify) if costs and used == used else None
+    measured = statistics.median(ratios)
+    return {"variant": label, "exact": engine.exact.describe(), "speedup_vs_full": measured,
+            "speedup_range": [min(ratios), max(ratios)], "identical": identical, "acceptance": rate,
+            "agreement": agreement,
+            "tokens_per_verify_step": statistics.median(a.tokens_per_verify_step for a in accepted),
+            "mean_draft_length": statistics.median(a.mean_draft_length for a in accepted),
+            "full_step_ms": step_s * 1e3, "draft_step_cost": draft, "verify_cost": verify, "verified_tokens": k + 1,
+            "prediction_acceptance": used, "predicted_speedup": predicted,
+            "measured_over_predicted": measured / predicted if predicted else None}
+
+
+def format_exact_table(result: dict) -> str:
+    width = max([30] + [len(r["variant"]) + 2 for r in result["exact"]])
+    lines = [f"exact decoding, batch {result['batch']}, prompt {max(result['prompt_tokens'])} tokens, "
+             f"{result['max_new_tokens']} new tokens, median of {result['repeats']}, beside the full model",
+             "draft / verify: one draft step and one verify forward of k+1 tokens, in full decode steps; "
+             "predicted: the byte model from the acceptance and those costs",
+             f"{'variant':<{width}}{'vs full':>9}{'same':>6}{'accept':>8}{'agree':>8}{'tok/ver':>9}{'draft':>8}"
+             f"{'verify':>8}"
+             f"{'predicted':>11}{'of pred':>9}"]
+    for r in result["exact"]:
+        def f(x, spec):
+            return format(x, spec) if x is not None else "-"
+        lines.append(f"{r['variant']:<{width}}{f(r['speedup_vs_full'], '8.2f')}x{'yes' if r['identical'] else 'NO':>6}"
+                     f"{f(r['acceptance'], '8.2f')}{f(r['agreement'], '8.2f')}{f(r['tokens_per_verify_step'], '9.2f')}"
+                     f"{f(r['draft_step_cost'], '8.2f')}{f(r['verify_cost'], '8.2f')}"
+                     f"{f(r['predicted_speedup'], '10.2f')}x{f(r['measured_over_predicted'], '9.2f')}")
+    return "\n".join(lines)
+
+
+def exact_acceptance(drafts: list[tuple[str, Engine]], prompts: list, settings: GenerationSettings,
+                     batch: int = 8, log=print) -> list[dict]:
+    """How often each exact engine's drafts are accepted on ``prompts`` (no timing: the runs are batched).
+
+    Each row's own acceptance is its drafts' agreement with the full model wherever the
+    batch stood, so batching moves where drafting starts but not what is measured.
+    """
+    rows = []
+    for label, engine in drafts:
+        traces = [Trace.collect(engine, prompts[i:i + batch], settings) for i in range(0, len(prompts), batch)]
+        rates = [a for t in traces if (a := acceptance(t)) is not None]
+        drafted, accepted = sum(a.drafted for a in rates), sum(a.accepted for a in rates)
+        judged = accepted + sum(a.rejected for a in rates)
+        depths = [len(layers) for t in traces for e in t.events if e.draft_layers for layers in e.draft_layers]
+        rows.append({"variant": label, "exact": engine.exact.describe(), "prompts": len(prompts),
+                     "drafted": drafted, "accepted": accepted,
+                     "acceptance": accepted / drafted if drafted else None,
+                     "agreement": accepted / judged if judged else None,
+                     "mean_draft_layers": statistics.fmean(depths) if depths else None})
+        log(f"  {label}: acceptance {rows[-1]['acceptance']:.3f} (agreement {rows[-1]['agreement']:.3f}) over "
+            f"{drafted} drafted tokens, "
+            f"{rows[-1]['mean_draft_layers']:.1f} layers per draft step")
+    return rows

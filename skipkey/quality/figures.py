@@ -4,7 +4,8 @@
 * ``retention_figure``: which positions each layer's KV cache still holds after a step;
 * ``schedule_figure``: the SkipDecode depth ``b(t)`` (layers per step) a schedule gives, before any run;
 * ``layers_html``: the generated text, each token shaded by the layers it used;
-* ``token_diff``: the generated text, each token marked where it differs from a reference run's.
+* ``token_diff``: the generated text, each token marked where it differs from a reference run's;
+* ``acceptance_figure``: in exact mode, which tokens the draft proposed and the full model accepted.
 
 Nothing here reads the engine or the model: the same trace always draws the same figure.
 """
@@ -262,3 +263,44 @@ def token_diff(reference: Trace, candidate: Trace, row: int = 0, pending: bool =
             same = reference_tokens[i] == token
         spans.append((candidate.events[i].texts[row], None if same else DIFFERS))
     return spans
+ACCEPTED, VERIFIER = "#16a34a", "#f59e0b"
+
+
+def draft_outcomes(trace: Trace, row: int = 0) -> list[float]:
+    """Per generated token of ``row`` in an exact run: 1 where the draft had proposed it (an accepted draft),
+    0 where only the full model's verify step produced it, nan for token 0 (the prompt pass)."""
+    outcomes = [float("nan")] * len(trace.events)
+    own = start = 0
+    for i, event in enumerate(trace.events):
+        if event.drafted is not None:
+            own, start = event.accepted[row], i
+        if i > 0:
+            outcomes[i] = 1.0 if i - start < own else 0.0
+    return outcomes
+
+
+def acceptance_figure(trace: Trace, row: int = 0, window: int = WINDOW_TOKENS, height: int = 120) -> go.Figure:
+    """One heatmap row beside the layer-usage heatmap (same x axis): which tokens the draft got right."""
+    if not trace.events or all(e.drafted is None for e in trace.events):
+        return message_figure("Acceptance appears in exact mode, once tokens are verified.", height)
+    outcomes = draft_outcomes(trace, row)
+    n = len(outcomes)
+    tokens = [visible_token(event.texts[row]) for event in trace.events]
+    label = ["prompt pass" if np.isnan(o) else ("drafted, accepted" if o else "full model's token") for o in outcomes]
+    steps = sum(e.drafted is not None for e in trace.events)
+    decoded = n - 1
+    fig = go.Figure(go.Heatmap(
+        z=[outcomes], x=np.arange(n), y=["draft"], zmin=0, zmax=1,
+        colorscale=[[0.0, VERIFIER], [0.5, VERIFIER], [0.5, ACCEPTED], [1.0, ACCEPTED]], showscale=False,
+        xgap=1, customdata=np.dstack([[tokens], [label]]),
+        hovertemplate="token %{x}: <b>%{customdata[0]}</b><br>%{customdata[1]}<extra></extra>",
+    ))
+    fig.update_layout(
+        title=dict(text=f"Exact: {decoded / max(1, steps):.2f} tokens per verify step "
+                        f"<span style='color:{ACCEPTED}'>■ accepted draft</span> "
+                        f"<span style='color:{VERIFIER}'>■ full model's token</span>", font=dict(size=14)),
+        height=height, margin=dict(l=55, r=20, t=45, b=10), font=FONT, plot_bgcolor="white", paper_bgcolor="white",
+    )
+    fig.update_xaxes(title_text="generated token", range=_window(n, window), tickformat="d")
+    fig.update_yaxes(fixedrange=True)
+    return fig

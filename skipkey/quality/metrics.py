@@ -237,3 +237,82 @@ def trace_record(trace: Trace) -> dict:
     events = [{f.name: jsonable(getattr(event, f.name)) for f in fields(event) if f.name != "kept"}
               for event in trace.events]
     return dict(constants, events=events)
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """How exact decoding's drafts fared (``skipkey.skipdecode.exact``), over the rows still generating."""
+
+    verify_steps: int
+    drafted: int  # drafted tokens, summed over verify steps and rows
+    accepted: int  # of those, the ones the full model agreed with (each row's own leading run)
+    rejected: int  # verify steps and rows where a drafted token was rejected
+    acceptance: float  # accepted / drafted (nan when nothing was drafted)
+    # accepted / (accepted + rejected): the chance the full model agrees with a drafted token once it agreed
+    # with every one before it. The byte model's ``a`` (drafts after a rejection are never judged, so
+    # ``acceptance`` understates it for k > 1).
+    agreement: float
+    tokens_per_verify_step: float  # decode tokens per row and verify step
+    mean_draft_length: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def acceptance(trace: Trace) -> Acceptance | None:
+    """The drafts' acceptance and tokens per verify step of an exact run, or None for any other run."""
+    events = trace.events
+    steps = [i for i, e in enumerate(events) if e.drafted is not None]
+    if not steps:
+        return None
+    drafted = accepted = rejected = 0
+    for i in steps:
+        generating = [not done for done in events[i - 1].finished]
+        drafted += events[i].drafted * sum(generating)
+        accepted += sum(a for a, live in zip(events[i].accepted, generating) if live)
+        rejected += sum(a < events[i].drafted for a, live in zip(events[i].accepted, generating) if live)
+    return Acceptance(verify_steps=len(steps), drafted=drafted, accepted=accepted, rejected=rejected,
+                      acceptance=accepted / drafted if drafted else float("nan"),
+                      agreement=accepted / (accepted + rejected) if accepted + rejected else float("nan"),
+                      tokens_per_verify_step=len(trace.decode_events) / len(steps),
+                      mean_draft_length=float(np.mean([events[i].drafted for i in steps])))
+
+
+def speculative_speedup(acceptance_rate: float, k: int, draft_cost: float, verify_cost: float) -> float:
+    """The byte model's speedup of drafting ``k`` and verifying them, against plain full decode steps.
+
+    Costs are in full decode steps: ``draft_cost`` one draft step, ``verify_cost`` one
+    forward over ``k + 1`` tokens. With acceptance ``a`` per drafted token a cycle
+    yields ``(1 - a^(k+1)) / (1 - a)`` tokens and costs ``k * draft + verify``.
+    """
+    a = acceptance_rate
+    tokens = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+    return tokens / (k * draft_cost + verify_cost)
+
+
+@dataclass(frozen=True)
+class VerifyCosts:
+    """Measured costs of exact decoding's parts, in seconds: one draft step, and one verify forward over
+    ``verified`` tokens (the most any verify step of the run fed: ``k + 1`` for a fixed ``k``)."""
+
+    draft_s: float
+    verify_s: float
+    verified: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def verify_costs(trace: Trace) -> VerifyCosts | None:
+    """From an exact run's verify steps: drafting time per drafted token, and the verify forward's time
+    (a step's time less its drafting) over the steps that drafted the most. None for other runs."""
+    events = trace.events
+    steps = [i for i, e in enumerate(events) if e.drafted is not None] + [len(events)]
+    cycles = [(events[a].drafted, events[a].draft_seconds, sum(e.seconds for e in events[a:b]))
+              for a, b in zip(steps, steps[1:])]
+    drafted = sum(d for d, _, _ in cycles)
+    if not cycles or not drafted:
+        return None
+    most = max(d for d, _, _ in cycles)
+    return VerifyCosts(draft_s=sum(s for _, s, _ in cycles) / drafted,
+                       verify_s=float(np.median([t - s for d, s, t in cycles if d == most])), verified=most + 1)
