@@ -4,7 +4,8 @@ They use only SkipKey's public API (``tests/test_repo.py`` checks: no ``sys.path
 
 headline          the README's headline table, from the JSON in assets/results
 frontier          SkipDecode's accuracy against measured speedup (docs/results/skipdecode.md)
-served_quality    an adapter's quality at the shapes it is served with
+shape_check       an adapter's quality at the shapes it is served with (the shape study's quick measure)
+served_quality    tuned SkipDecode as served (one prompt at a time) on validation and test, with 95% intervals
 min_skipped       from how many skipped layers a skip-only adapter should apply
 nll_by_depth      where SkipDecode's perplexity is made, per depth
 kv_table          the KV speed tables of docs/results/kv.md

@@ -2,7 +2,7 @@
 measures on the 48 held-out prompts, 64 tokens, float32, against the full model): the quick check of a training
 run before the whole ``eval --suite tuned``. One JSON line per target.
 
-    python -m experiments.served_quality /tmp/me/lora-g 1.5 2 3
+    python -m experiments.shape_check /tmp/me/lora-g 1.5 2 3
 """
 
 import json
