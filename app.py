@@ -110,10 +110,10 @@ RETRIEVAL_PROMPT = (
 # the prompt pass; the others need the cache to still hold Note 1. It runs Keyformer alone, with the
 # recommended query-aware options (scores from the question's queries, pooled), which keep it; with observe at
 # 0 (the paper) it loses all but "7". The tuned weights and the layer policy follow the model, not the example.
-_SKIPDECODE_ONLY = dict(max_new_tokens=DEFAULT_NEW_TOKENS, skip_on=True, set_by="target speedup",
+_SKIPDECODE_ONLY = dict(max_new_tokens=DEFAULT_NEW_TOKENS, exact=False, skip_on=True, set_by="target speedup",
                         target_speedup=DEFAULT_TARGET, kv_on=False, kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=30,
                         kv_observe=0, kv_pool=1)
-_KEYFORMER_ONLY = dict(max_new_tokens=8, skip_on=False, set_by="target speedup", target_speedup=DEFAULT_TARGET,
+_KEYFORMER_ONLY = dict(max_new_tokens=8, exact=False, skip_on=False, set_by="target speedup", target_speedup=DEFAULT_TARGET,
                        kv_on=True,
                        kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=10,
                        kv_observe=RECOMMENDED_OPTIONS["observe"], kv_pool=RECOMMENDED_OPTIONS["pool"])
@@ -203,6 +203,14 @@ WIDGETS: Mapping[str, Widget] = MappingProxyType(dict(
                        "original weights"),
     hold=_widget("slider", "skip", 4, label="hold (steps at b_max)", visible=False,
                  info="steps run at b_max before the decay starts; 0 = the paper's"),
+    exact=_widget("checkbox", "skip", 6, label="exact (verify with the full model)", elem_id="exact",
+                  info="SkipDecode drafts tokens, the full model checks them in one pass: the output is the full "
+                       "model's, token for token (greedy; not with KV eviction)"),
+    draft_k=_widget("slider", "skip", 6, label="draft length k", elem_id="draft_k",
+                    info="tokens drafted per verify step"),
+    draft_head=_widget("radio", "skip", 7, label="draft head", elem_id="draft_head",
+                       info="the most frequent tokens' rows make each draft step cheaper; verification always "
+                            "uses the full head"),
 ))
 assert list(WIDGETS) == list(CONTROLS), "each control has one widget, in the controls' order"
 # The options each decoding mode or KV policy may hide (app_logic.shown_options says which apply).
@@ -222,6 +230,7 @@ class ComparisonOutputs(NamedTuple):
     skip_html: object
     agreement: object
     layer_plot: object
+    acceptance_plot: object  # exact mode: which tokens the draft proposed and the full model kept
     retention_plot: object
     step: object
     skip_diff: object  # SkipKey's text, each token marked where it differs from the full model's
@@ -450,6 +459,9 @@ class Handlers:
                 status=f"**Generating** with **{model}**: {req.describe()}", full_text="", full_metrics="",
                 skip_text="", skip_metrics="", skip_html="", agreement="",
                 layer_plot=figures.message_figure("Layer usage appears with the first token."),
+                acceptance_plot=figures.message_figure("Acceptance appears in exact mode, once tokens are verified."
+                                                       if req.exact else "Exact mode is off: no drafts to verify.",
+                                                       120),
                 retention_plot=figures.message_figure("Retained tokens appear once the prompt is processed."),
                 step=gr.update(visible=False), skip_diff=[], download=None, last_run=None)
             prompt_texts = None
@@ -559,6 +571,7 @@ def comparison_outputs(full, sk, loaded, prompt_texts, *, redraw: bool, final: b
         skip_metrics=side_metrics(sk, full).markdown(), skip_html=figures.layers_html(sk),
         agreement=agreement_summary(full, sk, loaded.tokenizer, final=final),
         layer_plot=figures.layer_usage_figure(sk) if redraw else skip,
+        acceptance_plot=figures.acceptance_figure(sk) if redraw else skip,
         retention_plot=figures.retention_figure(sk, position_texts=prompt_texts) if redraw else skip,
         step=step_update, skip_diff=figures.token_diff(full, sk, pending=not final), download=skip, last_run=state)
 
@@ -676,13 +689,15 @@ def build_demo(handlers: Handlers | None = None, *, concurrency_limit: int = CON
             download = gr.DownloadButton("Download this run (JSON)", value=None, elem_id="download", scale=0)
         skip_html = gr.HTML(label="SkipKey text by layers used", elem_id="skip_layers")
         layer_plot = gr.Plot(label="Layer usage", elem_id="layer_plot")
+        acceptance_plot = gr.Plot(label="Exact mode: accepted drafts", elem_id="acceptance_plot")
         retention_plot = gr.Plot(label="Retained tokens", elem_id="retention_plot")
         step = gr.Slider(0, 1, value=1, step=1, label="retention after step", visible=False, elem_id="step")
         last_run = gr.State(None, time_to_live=STATE_TTL_S)  # this session's last run, for the step slider
         assert set(c) == set(CONTROLS), f"controls without a panel: {set(CONTROLS) - set(c)}"
 
         outputs = ComparisonOutputs(status, full_text, full_metrics, skip_text, skip_metrics, skip_html,
-                                    agreement_md, layer_plot, retention_plot, step, skip_diff, download, last_run)
+                                    agreement_md, layer_plot, acceptance_plot, retention_plot, step, skip_diff,
+                                    download, last_run)
         # preprocess=False: raw values reach the one edge (build_request), which checks them all,
         # also for API clients whose values no slider bounds.
         compare_fn = controls_function(handlers.compare, tuple(CONTROLS), request=True, defaults=defaults)

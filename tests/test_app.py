@@ -23,6 +23,7 @@ from skipkey.core.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv.policies import RECOMMENDED_OPTIONS, KeyformerPolicy, StreamingPolicy
 from skipkey.quality import figures
+from skipkey.skipdecode.exact import ExactDecoding
 from skipkey.skipdecode.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule, ScheduleShape, measured_best_shape
 from skipkey.core.trace import Trace
 
@@ -253,8 +254,8 @@ def test_closing_the_comparison_closes_both_engine_loops(tiny):
 def test_compare_streams_then_returns_everything(handlers):
     outputs = run(handlers, max_new_tokens=12)
     assert "Generating" in outputs[0].status
-    (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, diff, download,
-     state) = outputs[-1]
+    (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, acceptance_fig, retention_fig, step,
+     diff, download, state) = outputs[-1]
     assert status.startswith("**Done**") and full_text and skip_text
     assert "tokens/s" in full_md and "ms/token" in full_md and "first token" in full_md and "MB" in full_md
     assert "layers/token" in skip_md and "nominal speedup" in skip_md and "measured" in skip_md
@@ -560,8 +561,8 @@ def test_each_preset_builds_a_request_for_its_methods():
         if preset.skip_target is not None:  # the cost line quotes the target the preset runs
             assert preset.changes["target_speedup"] == preset.skip_target
             assert preset.changes["set_by"] == "target speedup"
-    assert {"SkipDecode 1.5x (tuned)", "SkipDecode 2x (tuned)", "Keyformer 50% (query-aware)",
-            "Keyformer 50% (paper)", "both"} == set(app_logic.PRESETS)
+    assert {"SkipDecode 1.5x (tuned)", "SkipDecode 2x (tuned)", "SkipDecode exact (verified)",
+            "Keyformer 50% (query-aware)", "Keyformer 50% (paper)", "both"} == set(app_logic.PRESETS)
     query_aware = app_logic.PRESETS["Keyformer 50% (query-aware)"].changes
     assert (query_aware["kv_observe"], query_aware["kv_pool"]) == tuple(RECOMMENDED_OPTIONS.values())
 
@@ -741,3 +742,51 @@ def test_saved_runs_older_than_a_session_are_removed(tiny, tmp_path):
     handlers = app.Handlers(ModelCache(lambda name: tiny, adapters={}), downloads=tmp_path)
     saved = run(handlers, max_new_tokens=3)[-1].download
     assert not stale.exists() and [p.name for p in tmp_path.iterdir()] == [os.path.basename(saved)]
+
+
+# -- exact SkipDecode (issue #37) ----------------------------------------------------------------
+EXACT = dict(exact=True, kv_on=False, decoding="greedy", draft_k=2)
+
+
+def test_exact_mode_builds_an_exact_decoding_at_the_edge():
+    request = request_for(**EXACT, draft_head="32,768 most frequent tokens")
+    assert request.exact == ExactDecoding(2, draft_vocab=32768) and request.kv is None
+    assert "exact (verified)" in request.describe()
+    assert request_for(exact=False).exact is None
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(kv_on=True), "KV eviction"),
+    (dict(decoding="sample"), "greedy only"),
+    (dict(skip_on=False), "turn SkipDecode on"),
+    (dict(draft_k=0), "draft k"),
+    (dict(draft_k=app_logic.DRAFT_K_CAP + 1), "draft k"),
+    (dict(draft_head="half"), "draft head"),
+    (dict(exact="yes"), "exact on/off"),
+])
+def test_exact_mode_refuses_what_it_cannot_verify(changes, message):
+    with pytest.raises(InputError, match=message):
+        request_for(**dict(EXACT, **changes))
+
+
+def test_exact_mode_shows_no_differing_token_and_its_acceptance(handlers):
+    *_, final = run(handlers, **EXACT)
+    assert final.status.startswith("**Done**") and "exact (verified)" in final.status
+    assert final.full_text == final.skip_text
+    assert all(label is None for _, label in final.skip_diff), "exact mode's text is the full model's"
+    assert "tokens per verify step" in final.skip_metrics and "acceptance" in final.skip_metrics
+    assert isinstance(final.acceptance_plot, go.Figure) and final.acceptance_plot.data
+    *_, plain = run(handlers, kv_on=False)
+    assert "tokens per verify step" not in plain.skip_metrics and not plain.acceptance_plot.data
+
+
+def test_the_exact_preset_quotes_the_exact_bench_or_says_it_is_not_measured(tmp_path):
+    preset = app_logic.PRESETS["SkipDecode exact (verified)"]
+    assert "not measured yet" in app_logic.preset_cost(preset, results_dir=tmp_path)
+    row = dict(variant="k=3", exact=preset.exact.describe(), speedup_vs_full=1.37, acceptance=0.61,
+               tokens_per_verify_step=2.25)
+    (tmp_path / app_logic.EXACT_BENCH_FILE).write_text(json.dumps(dict(batch=1, exact=[row])))
+    line = app_logic.preset_cost(preset, results_dir=tmp_path)
+    assert "1.37x" in line and "2.25 tokens per verify step" in line and app_logic.EXACT_BENCH_FILE in line
+    request = build_request(6, dataclasses.replace(Controls(layer_policy="top"), **preset.changes))
+    assert request.exact == preset.exact and request.kv is None and not request.settings.do_sample

@@ -57,8 +57,8 @@ def test_endpoints_are_named(client):
 
 
 def test_a_full_comparison_returns_both_texts_and_both_figures(client, tiny):
-    (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, diff,
-     download) = compare(client)
+    (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, acceptance_fig, retention_fig, step,
+     diff, download) = compare(client)
     assert status.startswith("**Done**") and full_text and skip_text
     solo = Trace.collect(Engine(tiny), [PROMPTS[0]], GenerationSettings(max_new_tokens=8))
     assert full_text == solo.text()

@@ -40,11 +40,12 @@ from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv.policies import KV_POLICIES, RECOMMENDED_OPTIONS, KVPolicy, KVSpec, make_kv_policy, policy_options
 from skipkey.core.loading import EMBEDDED, LoadedModel
 from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
-from skipkey.quality.metrics import (Compute, Speed, Transfer, agreement, compute, jsonable, kv_share, memory, rouge_l,
+from skipkey.quality.metrics import (Acceptance, Compute, Speed, Transfer, acceptance, agreement, compute, jsonable, kv_share, memory, rouge_l,
                                      speed, trace_record, traffic, transfer)
 from skipkey.core.offload import Placement, make_placement
 from skipkey.skipdecode.schedules import SCHEDULE_KINDS
 from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecode, SkipDecodeSpec
+from skipkey.skipdecode.exact import DRAFT_K_CAP, ExactDecoding
 from skipkey.core.trace import Trace, lockstep
 
 MODELS_ENV = "SKIPKEY_MODELS"
@@ -59,6 +60,12 @@ DEFAULT_PROMPT = "Photosynthesis is the process by which plants"
 DEFAULT_NEW_TOKENS = 48  # light enough that the embedded model answers within seconds on a small CPU
 DEFAULT_TARGET = 1.5  # SkipDecode's default nominal speedup (README, "SkipDecode fine-tuning": the frontier)
 MAX_NEW_TOKENS_UI = 512
+# Exact SkipDecode's draft head: the full LM head, or the rows of the most frequent tokens
+# (skipkey.skipdecode.exact.DRAFT_VOCAB_FILE ranks them for the embedded model's tokenizer).
+DRAFT_VOCAB_TOKENS = 32768
+DRAFT_HEADS: Mapping[str, int] = MappingProxyType({"full head": 0,
+                                                   f"{DRAFT_VOCAB_TOKENS:,} most frequent tokens": DRAFT_VOCAB_TOKENS})
+DEFAULT_DRAFT_K = 3
 
 Loader = Callable[[str], LoadedModel]
 Tuner = Callable[[LoadedModel, Path], LoadedModel]
@@ -276,6 +283,9 @@ class Controls:
     kv_normalize: bool = _control(False)
     tuned: bool = _control(True)
     hold: int = _control(0, preview=True, minimum=0, maximum=MAX_NEW_TOKENS_UI, step=1)
+    exact: bool = _control(False)
+    draft_k: int = _control(DEFAULT_DRAFT_K, minimum=1, maximum=DRAFT_K_CAP, step=1)
+    draft_head: str = _control("full head", choices=tuple(DRAFT_HEADS))
 
 
 CONTROLS: Mapping[str, Control] = MappingProxyType({f.name: f.metadata["control"] for f in fields(Controls)})
@@ -292,6 +302,7 @@ class ComparisonRequest:
     skip: SkipDecode | None
     kv: KVPolicy | None
     tuned: bool = False  # SkipKey's side decodes with the model's SkipDecode-tuned weights
+    exact: ExactDecoding | None = None  # SkipDecode drafts, the full model verifies: the full model's tokens
 
     def hint(self) -> str:
         """What to try next, where the request shows one of the product's own additions."""
@@ -303,6 +314,8 @@ class ComparisonRequest:
     def describe(self) -> str:
         parts = [self.skip.describe() if self.skip else "no layer skipping",
                  f"KV {self.kv.describe()}" if self.kv else "full KV cache"]
+        if self.exact:
+            parts.insert(1, self.exact.describe())
         if self.tuned:
             parts.append("SkipDecode-tuned weights")
         return "; ".join(parts)
@@ -397,7 +410,24 @@ def build_request(num_layers: int, controls: Controls, shapes: dict | None = Non
         except InputError as error:
             raise InputError(f"{error} (the app's KV budget and recent window are in %: 50 means 0.5)") from None
     return ComparisonRequest(model=c.model, prompt=c.prompt, settings=settings, skip=skip, kv=kv,
-                             tuned=_flag("tuned weights on/off", c.tuned))
+                             tuned=_flag("tuned weights on/off", c.tuned), exact=exact_decoding(c, skip, kv, sample))
+
+
+def exact_decoding(c: Controls, skip: SkipDecode | None, kv: KVPolicy | None, sample: bool) -> ExactDecoding | None:
+    """The exact-mode controls as an ``ExactDecoding`` (None when off), or an InputError saying why not."""
+    if not _flag("exact on/off", c.exact):
+        return None
+    if skip is None:
+        raise InputError("exact mode drafts with SkipDecode's layers: turn SkipDecode on (or turn exact off)")
+    if kv is not None and kv.evicts:
+        raise InputError(f"exact mode cannot be combined with KV eviction ({kv.describe()}): an evicted token "
+                         "never comes back, so a rejected draft would change what the full model keeps; turn KV "
+                         "eviction off (or turn exact off)")
+    if sample:
+        raise InputError("exact mode is greedy only: it keeps a draft where it equals the full model's greedy "
+                         "token; set decoding to greedy (or turn exact off)")
+    head = _choice("draft head", c.draft_head, tuple(DRAFT_HEADS))
+    return ExactDecoding(_whole(_number(c.draft_k)), draft_vocab=DRAFT_HEADS[head])
 
 
 def preview_schedule(num_layers: int, controls: Controls, shapes: dict | None = None):
@@ -407,7 +437,7 @@ def preview_schedule(num_layers: int, controls: Controls, shapes: dict | None = 
     """
     request = build_request(num_layers, dataclasses.replace(
         controls, prompt="", decoding="greedy", temperature=1.0, seed=0, skip_on=True, kv_on=False,
-        tuned=False), shapes)
+        tuned=False, exact=False), shapes)
     return request.skip.schedule, decode_steps(request.settings.max_new_tokens)
 
 
@@ -438,7 +468,7 @@ def compare(loaded: LoadedModel, request: ComparisonRequest, stop: threading.Eve
     if request.tuned and tuned is None:
         raise InputError("this request asks for the tuned weights: pass the tuned model")
     full = Engine(loaded)
-    accelerated = Engine(tuned if request.tuned else loaded, skip=request.skip, kv=request.kv)
+    accelerated = Engine(tuned if request.tuned else loaded, skip=request.skip, kv=request.kv, exact=request.exact)
     traces = (Trace.for_engine(full, FULL_LABEL), Trace.for_engine(accelerated, SKIPKEY_LABEL))
     # Only SkipKey's kept positions are drawn; the full model's would cost memory for nothing.
     streams = [full.generate([request.prompt], request.settings, stop=stop, record=False),
@@ -496,6 +526,7 @@ class SideMetrics:
     measured_speedup: float | None = None
     traffic_ratio: float | None = None  # the full model's bytes read per step over SkipKey's
     moved: Transfer | None = None  # where a device map offloads weights
+    verified: Acceptance | None = None  # exact mode: the drafts' acceptance and tokens per verify step
 
     def markdown(self) -> str:
         s = self.speed
@@ -514,6 +545,10 @@ class SideMetrics:
             lines.append(f"weights moved **{_fmt(self.moved.bytes_per_step / 2**20, '{:.0f}')}** MiB/token"
                          + (f" · transfer ratio **{_fmt(self.moved.transfer_ratio, '{:.2f}')}x**"
                             if self.compute is not None else ""))
+        if self.verified is not None:
+            lines.append(f"exact: **{_fmt(self.verified.tokens_per_verify_step, '{:.2f}')}** tokens per verify step "
+                         f"· acceptance **{_fmt(self.verified.acceptance, '{:.0%}')}** of "
+                         f"{self.verified.drafted} drafted tokens")
         return "  \n".join(lines)
 
 
@@ -528,7 +563,7 @@ def side_metrics(trace: Trace, reference: Trace | None = None) -> SideMetrics:
                 if timing.decode_tokens and ref_timing.decode_tokens else float("nan"))
     ours, theirs = traffic(trace), traffic(reference)
     return SideMetrics(timing, held / 1e6, 100.0 * kv_share(trace, reference), compute=compute(trace),
-                       measured_speedup=measured, moved=transfer(trace),
+                       measured_speedup=measured, moved=transfer(trace), verified=acceptance(trace),
                        traffic_ratio=theirs.total / ours.total if ours and theirs else None)
 
 
@@ -672,6 +707,7 @@ def shown_options(decoding, kv_policy) -> dict[str, bool]:
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "results"
 SKIP_QUALITY_FILE = "eval_tuned.json"  # the tuned adapter on held-out prompts (README, "SkipDecode fine-tuning")
 KV_QUALITY_FILE = "eval_kv_quality_query_aware.json"  # Keyformer at 50%, as the paper and query-aware
+EXACT_BENCH_FILE = "exact_b1.json"  # exact SkipDecode beside the full model at batch 1 (bench --exact)
 # The SkipDecode quality goals at each target (README, "Against the issue's goals"): measure -> (at least?, bound).
 QUALITY_GOALS: Mapping[float, Mapping[str, tuple[bool, float]]] = MappingProxyType({
     1.5: MappingProxyType(dict(next_token_accuracy=(True, 0.75), ppl_of_full_continuations=(False, 3.0),
@@ -764,18 +800,24 @@ class Preset:
     changes: Mapping[str, object]
     skip_target: float | None = None
     kv_row: str | None = None
+    exact: ExactDecoding | None = None  # verified: its cost line quotes the exact bench's speed, not quality
 
 
-_SKIP_ONLY = dict(skip_on=True, set_by="target speedup", tuned=True, kv_on=False)
+_SKIP_ONLY = dict(skip_on=True, set_by="target speedup", tuned=True, kv_on=False, exact=False)
+_EXACT = ExactDecoding(DEFAULT_DRAFT_K)
+_EXACT_ON = dict(_SKIP_ONLY, target_speedup=2.0, exact=True, decoding="greedy", draft_k=_EXACT.draft_k,
+                 draft_head=next(name for name, rows in DRAFT_HEADS.items() if rows == _EXACT.draft_vocab))
 _KEYFORMER = dict(kv_on=True, kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=30)
 _QUERY_AWARE = dict(kv_observe=RECOMMENDED_OPTIONS["observe"], kv_pool=RECOMMENDED_OPTIONS["pool"])
 _QUERY_AWARE_ROW = "keyformer:" + ",".join(f"{k}={v}" for k, v in RECOMMENDED_OPTIONS.items()) + " 50%"
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in (
     Preset("SkipDecode 1.5x (tuned)", MappingProxyType(dict(_SKIP_ONLY, target_speedup=1.5)), skip_target=1.5),
     Preset("SkipDecode 2x (tuned)", MappingProxyType(dict(_SKIP_ONLY, target_speedup=2.0)), skip_target=2.0),
-    Preset("Keyformer 50% (query-aware)", MappingProxyType(dict(_KEYFORMER, **_QUERY_AWARE, skip_on=False)),
-           kv_row=_QUERY_AWARE_ROW),
-    Preset("Keyformer 50% (paper)", MappingProxyType(dict(_KEYFORMER, kv_observe=0, kv_pool=1, skip_on=False)),
+    Preset("SkipDecode exact (verified)", MappingProxyType(_EXACT_ON), skip_target=2.0, exact=_EXACT),
+    Preset("Keyformer 50% (query-aware)",
+           MappingProxyType(dict(_KEYFORMER, **_QUERY_AWARE, skip_on=False, exact=False)), kv_row=_QUERY_AWARE_ROW),
+    Preset("Keyformer 50% (paper)",
+           MappingProxyType(dict(_KEYFORMER, kv_observe=0, kv_pool=1, skip_on=False, exact=False)),
            kv_row="keyformer 50%"),
     Preset("both", MappingProxyType(dict(_SKIP_ONLY, **_KEYFORMER, **_QUERY_AWARE, target_speedup=1.5)),
            skip_target=1.5, kv_row=_QUERY_AWARE_ROW),
@@ -788,8 +830,24 @@ def _quality_text(row: dict, full: dict | None) -> str:
             f"{reference}, ROUGE-L {row['rouge_l']:.2f}")
 
 
+def exact_cost(exact: ExactDecoding, results_dir: Path | None = None) -> str:
+    """What exact mode costs: nothing in quality; its speed quoted from the exact bench's row for ``exact``."""
+    results = read_results(EXACT_BENCH_FILE, results_dir)
+    rows = [r for r in (results or {}).get("exact", ()) if r.get("exact") == exact.describe()]
+    text = f"the full model's own tokens (greedy, every draft verified); {exact.describe()}: "
+    if not rows:
+        return text + f"speed not measured yet (`{EXACT_BENCH_FILE}`)"
+    row = rows[0]
+    return text + (f"measured **{_fmt(row.get('speedup_vs_full'), '{:.2f}')}x** the full model's speed, "
+                   f"acceptance {_fmt(row.get('acceptance'), '{:.0%}')}, "
+                   f"{_fmt(row.get('tokens_per_verify_step'), '{:.2f}')} tokens per verify step at batch "
+                   f"{results.get('batch', 1)} (`{EXACT_BENCH_FILE}`)")
+
+
 def preset_cost(preset: Preset, results_dir: Path | None = None) -> str:
     """One line: what the preset is expected to cost in quality, quoted from the measured rows it names."""
+    if preset.exact is not None:
+        return "Expected cost: " + exact_cost(preset.exact, results_dir) + "."
     parts = []
     if preset.skip_target is not None:
         results = read_results(SKIP_QUALITY_FILE, results_dir)
