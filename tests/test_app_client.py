@@ -10,7 +10,8 @@ import time
 import pytest
 
 from conftest import PROMPTS, serving
-from skipkey.serving.app_logic import Controls, ModelCache
+from skipkey.serving.models import ModelCache
+from skipkey.serving.request import Controls
 from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
 from skipkey.core.trace import Trace
