@@ -780,6 +780,8 @@ def test_exact_mode_shows_no_differing_token_and_its_acceptance(handlers):
     assert all(label is None for _, label in final.skip_diff), "exact mode's text is the full model's"
     assert "tokens per verify step" in final.skip_metrics and "acceptance" in final.skip_metrics
     assert isinstance(final.acceptance_plot, go.Figure) and final.acceptance_plot.data
+    *_, tuned = run(handlers, **EXACT, tuned=True)  # the tuned weights draft; the full model still verifies
+    assert tuned.status.startswith("**Done**") and tuned.full_text == tuned.skip_text
     *_, plain = run(handlers, kv_on=False)
     assert "tokens per verify step" not in plain.skip_metrics and not plain.acceptance_plot.data
 
