@@ -53,7 +53,8 @@ def main() -> int:
     from gradio_client import Client
     from playwright.sync_api import sync_playwright
 
-    from skipkey.serving.app_logic import Controls, ModelCache, build_request, default_loader
+    from skipkey.serving.models import ModelCache, default_loader
+    from skipkey.serving.request import Controls, build_request
     from skipkey.quality.bench import run_bench
     from skipkey.config import GenerationSettings
     from skipkey.core.engine import Engine

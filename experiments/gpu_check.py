@@ -23,7 +23,8 @@ def app_comparison(device: str, tiny: bool, output: Path) -> None:
     from gradio_client import Client
 
     import app
-    from skipkey.serving.app_logic import Controls, ModelCache
+    from skipkey.serving.models import ModelCache
+    from skipkey.serving.request import Controls
     from skipkey.core.loading import load_model
     from skipkey.provenance import machine_description
 

@@ -16,13 +16,18 @@ import plotly.graph_objects as go
 import pytest
 
 from conftest import PROMPTS, relabelled_adapter
-from skipkey.serving import app_logic
-from skipkey.serving.app_logic import Controls, ModelCache, allowed_models, build_request, compare
+from skipkey.serving import comparison, models, presets
+from skipkey.serving import request as edge
+from skipkey.serving.comparison import compare
+from skipkey.serving.models import ModelCache, allowed_models
+from skipkey.serving.record import run_record
+from skipkey.serving.request import DEFAULT_PROMPT, Controls, build_request
 from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv.policies import RECOMMENDED_OPTIONS, KeyformerPolicy, StreamingPolicy
 from skipkey.quality import figures
+from skipkey.skipdecode.exact import ExactDecoding
 from skipkey.skipdecode.schedules import ConstantSchedule, LinearSchedule, PowerLawSchedule, ScheduleShape, measured_best_shape
 from skipkey.core.trace import Trace
 
@@ -76,18 +81,18 @@ def test_allow_list_puts_the_embedded_model_first(monkeypatch):
 
 def test_server_placement_comes_from_the_environment(monkeypatch, tmp_path):
     env = {"SKIPKEY_DEVICE_MAP": "auto", "SKIPKEY_MAX_MEMORY": "cpu:300MiB", "SKIPKEY_OFFLOAD_DIR": str(tmp_path)}
-    assert app_logic.placement_options(env) == dict(device_map="auto", max_memory="cpu:300MiB",
+    assert models.placement_options(env) == dict(device_map="auto", max_memory="cpu:300MiB",
                                                     offload_dir=str(tmp_path))
-    placement = app_logic.server_placement(env)
+    placement = models.server_placement(env)
     assert placement.device_map == "auto" and dict(placement.max_memory) == {"cpu": 300 * 2**20}
-    assert app_logic.server_placement({}) is None
+    assert models.server_placement({}) is None
     with pytest.raises(InputError, match="only used with a device map.*SKIPKEY_DEVICE_MAP"):
-        app_logic.server_placement({"SKIPKEY_MAX_MEMORY": "cpu:1GiB"})
+        models.server_placement({"SKIPKEY_MAX_MEMORY": "cpu:1GiB"})
     with pytest.raises(InputError, match="cannot be written"):
-        app_logic.server_placement({"SKIPKEY_DEVICE_MAP": "auto", "SKIPKEY_OFFLOAD_DIR": "/proc/skipkey"})
+        models.server_placement({"SKIPKEY_DEVICE_MAP": "auto", "SKIPKEY_OFFLOAD_DIR": "/proc/skipkey"})
     # Tuned weights are a merged copy of the whole model: not offered under a device map.
     monkeypatch.setenv("SKIPKEY_DEVICE_MAP", "auto")
-    assert app_logic.default_adapters() == {}
+    assert models.default_adapters() == {}
     monkeypatch.setenv("SKIPKEY_MAX_MEMORY", "lots")
     with pytest.raises(SystemExit, match="error: Cannot read max memory"):
         app.main()
@@ -253,8 +258,8 @@ def test_closing_the_comparison_closes_both_engine_loops(tiny):
 def test_compare_streams_then_returns_everything(handlers):
     outputs = run(handlers, max_new_tokens=12)
     assert "Generating" in outputs[0].status
-    (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, diff, download,
-     state) = outputs[-1]
+    (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, acceptance_fig, retention_fig, step,
+     diff, download, state) = outputs[-1]
     assert status.startswith("**Done**") and full_text and skip_text
     assert "tokens/s" in full_md and "ms/token" in full_md and "first token" in full_md and "MB" in full_md
     assert "layers/token" in skip_md and "nominal speedup" in skip_md and "measured" in skip_md
@@ -313,7 +318,7 @@ def test_a_crash_mid_generation_is_reported(handlers, tiny, monkeypatch):
         raise RuntimeError("CUDA out of memory")
         yield
 
-    monkeypatch.setattr(app_logic.Engine, "generate", broken)
+    monkeypatch.setattr(comparison.Engine, "generate", broken)
     with pytest.raises(gr.Error, match="Generation failed: RuntimeError: CUDA out of memory"):
         run(handlers)
     monkeypatch.undo()
@@ -379,7 +384,7 @@ def test_select_model_reports_progress_while_loading(tiny):
 
 def test_schedule_preview_never_runs_the_model(handlers, monkeypatch):
     list(handlers.select_model("embedded"))
-    monkeypatch.setattr(app_logic.Engine, "generate", lambda *a, **k: pytest.fail("the preview ran the model"))
+    monkeypatch.setattr(comparison.Engine, "generate", lambda *a, **k: pytest.fail("the preview ran the model"))
     def preview(model, schedule, set_by, b_max, b_min, horizon, **more):
         return handlers.schedule_preview(Controls(model=model, max_new_tokens=20, schedule=schedule, set_by=set_by,
                                                   b_max=b_max, b_min=b_min, horizon=horizon, **more))
@@ -420,7 +425,7 @@ def test_the_defaults_run_the_tuned_weights_at_a_target_with_the_adapters_shapes
 
 def test_examples_include_a_long_context_retrieval_prompt(tiny):
     prompts = [example[0] for example in app.EXAMPLES]
-    retrieval = app.RETRIEVAL_PROMPT
+    retrieval = presets.RETRIEVAL_PROMPT
     assert retrieval in prompts and "7294" in retrieval.split("\n\n")[1]
     assert len(retrieval) > 2000 and retrieval.rstrip().endswith("is")
 
@@ -449,12 +454,12 @@ def test_a_model_that_cannot_load_gets_a_clear_message():
 
 def test_a_finished_run_keeps_a_bounded_history(tiny):
     *_, (full, sk) = compare(tiny, request_for(max_new_tokens=40))
-    thin = app_logic.thin_history(sk, steps=8)
+    thin = comparison.thin_history(sk, steps=8)
     held = [i for i, e in enumerate(thin.events) if e.kept is not None]
     assert len(held) <= 9 and held[0] == 0 and held[-1] == 39
     assert thin.tokens() == sk.tokens() and all(e.kept is not None for e in sk.events), "the original is untouched"
-    assert app_logic.recorded_step(thin, 7) == max(i for i in held if i <= 7)
-    assert app_logic.recorded_step(thin, 500) == 39
+    assert comparison.recorded_step(thin, 7) == max(i for i in held if i <= 7)
+    assert comparison.recorded_step(thin, 500) == 39
 
 
 # -- the tuned toggle -------------------------------------------------------------------
@@ -531,10 +536,10 @@ def test_which_side_steps_first_is_balanced_whatever_the_redraw_cadence():
 
 # -- the first five minutes ---------------------------------------------------------------
 def test_serving_declares_ranges_and_the_page_declares_widgets():
-    assert list(app.WIDGETS) == list(app_logic.CONTROLS)
+    assert list(app.WIDGETS) == list(edge.CONTROLS)
     page_words = {"kind", "label", "elem_id", "panel", "row", "info", "visible"}
-    assert not page_words & {f.name for f in dataclasses.fields(app_logic.Control)}, "serving knows no widgets"
-    assert app_logic.CONTROLS["kv_budget_pct"].bounds() == dict(minimum=1, maximum=100, step=1)
+    assert not page_words & {f.name for f in dataclasses.fields(edge.Control)}, "serving knows no widgets"
+    assert edge.CONTROLS["kv_budget_pct"].bounds() == dict(minimum=1, maximum=100, step=1)
     assert app.WIDGETS["prompt"].kind == "textbox" and app.WIDGETS["target_speedup"].panel == "skip"
 
 
@@ -549,39 +554,39 @@ def test_each_example_sets_its_controls_and_shows_one_method(tiny):
     assert (retrieval["kv_observe"], retrieval["kv_pool"]) == (RECOMMENDED_OPTIONS["observe"],
                                                                RECOMMENDED_OPTIONS["pool"])
     assert sum(s["kv_on"] for s in app.EXAMPLE_SETTINGS.values()) == 1
-    assert app.EXAMPLES[0][0] == app.DEFAULT_PROMPT and len(app.EXAMPLES) == len(app.EXAMPLE_LABELS)
+    assert app.EXAMPLES[0][0] == DEFAULT_PROMPT and len(app.EXAMPLES) == len(app.EXAMPLE_LABELS)
 
 
 def test_each_preset_builds_a_request_for_its_methods():
-    for preset in app_logic.PRESETS.values():
+    for preset in presets.PRESETS.values():
         request = build_request(6, dataclasses.replace(Controls(layer_policy="top"), **preset.changes))
         assert (request.skip is not None) == (preset.skip_target is not None), preset.name
         assert (request.kv is not None) == (preset.kv_row is not None), preset.name
         if preset.skip_target is not None:  # the cost line quotes the target the preset runs
             assert preset.changes["target_speedup"] == preset.skip_target
             assert preset.changes["set_by"] == "target speedup"
-    assert {"SkipDecode 1.5x (tuned)", "SkipDecode 2x (tuned)", "Keyformer 50% (query-aware)",
-            "Keyformer 50% (paper)", "both"} == set(app_logic.PRESETS)
-    query_aware = app_logic.PRESETS["Keyformer 50% (query-aware)"].changes
+    assert {"SkipDecode 1.5x (tuned)", "SkipDecode 2x (tuned)", "SkipDecode exact (verified)",
+            "Keyformer 50% (query-aware)", "Keyformer 50% (paper)", "both"} == set(presets.PRESETS)
+    query_aware = presets.PRESETS["Keyformer 50% (query-aware)"].changes
     assert (query_aware["kv_observe"], query_aware["kv_pool"]) == tuple(RECOMMENDED_OPTIONS.values())
 
 
 def test_preset_costs_quote_the_results_files():
-    results = json.loads((app_logic.RESULTS_DIR / app_logic.SKIP_QUALITY_FILE).read_text())
+    results = json.loads((presets.RESULTS_DIR / presets.SKIP_QUALITY_FILE).read_text())
     policy = results["adapter"]["schedule"]["policy"]
     row = next(r for r in results["tuned"] if r["label"] == f"{policy} 2.0x tuned")
-    line = app_logic.preset_cost(app_logic.PRESETS["SkipDecode 2x (tuned)"])
-    assert f"next-token accuracy {row['next_token_accuracy']:.2f}" in line and app_logic.SKIP_QUALITY_FILE in line
-    kv = json.loads((app_logic.RESULTS_DIR / app_logic.KV_QUALITY_FILE).read_text())
+    line = presets.preset_cost(presets.PRESETS["SkipDecode 2x (tuned)"])
+    assert f"next-token accuracy {row['next_token_accuracy']:.2f}" in line and presets.SKIP_QUALITY_FILE in line
+    kv = json.loads((presets.RESULTS_DIR / presets.KV_QUALITY_FILE).read_text())
     paper = next(r for r in kv["kv_agreement"] if r["label"] == "keyformer 50%")
-    line = app_logic.preset_cost(app_logic.PRESETS["Keyformer 50% (paper)"])
+    line = presets.preset_cost(presets.PRESETS["Keyformer 50% (paper)"])
     assert f"PPL {paper['ppl_of_full_continuations']:.2f}" in line and "\n" not in line
-    both = app_logic.preset_cost(app_logic.PRESETS["both"])
-    assert app_logic.SKIP_QUALITY_FILE in both and app_logic.KV_QUALITY_FILE in both
+    both = presets.preset_cost(presets.PRESETS["both"])
+    assert presets.SKIP_QUALITY_FILE in both and presets.KV_QUALITY_FILE in both
 
 
 def test_a_preset_without_its_results_says_so(tmp_path):
-    line = app_logic.preset_cost(app_logic.PRESETS["both"], results_dir=tmp_path)
+    line = presets.preset_cost(presets.PRESETS["both"], results_dir=tmp_path)
     assert line.count("not measured") == 2
 
 
@@ -608,19 +613,19 @@ GOOD = dict(next_token_accuracy=0.9, ppl_of_full_continuations=2.0, rouge_l=0.8,
 
 
 def test_the_quality_limit_is_the_last_target_that_meets_its_goals(tmp_path):
-    limit = app_logic.quality_limit()  # the committed table
-    assert limit is not None and limit.target >= 1.5 and limit.source == app_logic.SKIP_QUALITY_FILE
+    limit = presets.quality_limit()  # the committed table
+    assert limit is not None and limit.target >= 1.5 and limit.source == presets.SKIP_QUALITY_FILE
     write_tuned_table(tmp_path, [(1.5, GOOD), (2.0, GOOD), (3.0, dict(GOOD, ppl_of_full_continuations=6.0))])
-    limit = app_logic.quality_limit(tmp_path, "eval.json")
+    limit = presets.quality_limit(tmp_path, "eval.json")
     assert (limit.target, limit.past) == (2.0, 3.0) and limit.misses == ("PPL 6 > 5",)
-    assert "⚠" in app_logic.target_note(2.05, limit) and "⚠" not in app_logic.target_note(2.0, limit)
+    assert "⚠" in presets.target_note(2.05, limit) and "⚠" not in presets.target_note(2.0, limit)
     write_tuned_table(tmp_path, [(1.5, dict(GOOD, rouge_l=0.5)), (2.0, GOOD)])
-    limit = app_logic.quality_limit(tmp_path, "eval.json")
+    limit = presets.quality_limit(tmp_path, "eval.json")
     assert (limit.target, limit.past) == (1.0, 1.5), "the first failing target ends the good range"
     write_tuned_table(tmp_path, [(1.5, GOOD), (2.0, GOOD)])
-    assert app_logic.quality_limit(tmp_path, "eval.json").past is None
-    assert app_logic.quality_limit(tmp_path, "missing.json") is None
-    assert app_logic.target_note(9.0, None) == ""
+    assert presets.quality_limit(tmp_path, "eval.json").past is None
+    assert presets.quality_limit(tmp_path, "missing.json") is None
+    assert presets.target_note(9.0, None) == ""
 
 
 def test_the_diff_marks_exactly_the_tokens_that_differ(tiny):
@@ -641,7 +646,7 @@ def test_the_diff_marks_exactly_the_tokens_that_differ(tiny):
 def test_the_run_record_is_json_with_both_texts(tiny):
     req = request_for(max_new_tokens=6)
     *_, (full, sk) = compare(tiny, req)
-    record = json.loads(json.dumps(app_logic.run_record(full, sk, req), allow_nan=False))
+    record = json.loads(json.dumps(run_record(full, sk, req), allow_nan=False))
     assert record["full"]["text"] == full.text() and record["skipkey"]["text"] == sk.text()
     assert len(record["skipkey"]["trace"]["events"]) == len(sk.events) == 6
     assert record["skipkey"]["metrics"]["compute"]["mean_layers"] > 0 and record["prompt"] == req.prompt
@@ -662,7 +667,7 @@ def test_a_finished_run_offers_its_download(handlers):
 ])
 def test_a_refused_prompt_keeps_the_last_run_and_resets_the_status(tiny, changes, message):
     handlers = app.Handlers(ModelCache(lambda name: tiny, adapters={}),
-                            limits=app_logic.AppLimits(max_prompt_tokens=100))
+                            limits=edge.AppLimits(max_prompt_tokens=100))
     assert run(handlers)[-1].status.startswith("**Done**")
     stream = handlers.compare(dataclasses.replace(CONTROLS, **changes))
     seen = []
@@ -677,33 +682,33 @@ def test_a_refused_prompt_keeps_the_last_run_and_resets_the_status(tiny, changes
 
 def test_a_run_past_the_time_limit_is_stopped_and_says_so(tiny):
     handlers = app.Handlers(ModelCache(lambda name: tiny, adapters={}), text_interval=0,
-                            limits=app_logic.AppLimits(request_seconds=0.001))
+                            limits=edge.AppLimits(request_seconds=0.001))
     final = run(handlers, max_new_tokens=200)[-1]
-    assert "time limit" in final.status and app_logic.REQUEST_SECONDS_ENV in final.status
+    assert "time limit" in final.status and edge.REQUEST_SECONDS_ENV in final.status
     assert 0 < len(final.last_run[0].events) < 200 and "Done" not in final.status
     assert len(handlers.running) == 0
 
 
 def test_the_limits_come_from_the_environment():
-    env = {app_logic.MAX_PROMPT_TOKENS_ENV: "300", app_logic.REQUEST_SECONDS_ENV: "12.5"}
-    assert app_logic.AppLimits.from_env(env) == app_logic.AppLimits(300, 12.5)
-    assert app_logic.AppLimits.from_env({}) == app_logic.AppLimits()
-    for bad, words in (({app_logic.MAX_PROMPT_TOKENS_ENV: "0"}, "1..10000000"),
-                       ({app_logic.MAX_PROMPT_TOKENS_ENV: "many"}, "not a number"),
-                       ({app_logic.REQUEST_SECONDS_ENV: "-1"}, "(0, 86400]")):
+    env = {edge.MAX_PROMPT_TOKENS_ENV: "300", edge.REQUEST_SECONDS_ENV: "12.5"}
+    assert edge.AppLimits.from_env(env) == edge.AppLimits(300, 12.5)
+    assert edge.AppLimits.from_env({}) == edge.AppLimits()
+    for bad, words in (({edge.MAX_PROMPT_TOKENS_ENV: "0"}, "1..10000000"),
+                       ({edge.MAX_PROMPT_TOKENS_ENV: "many"}, "not a number"),
+                       ({edge.REQUEST_SECONDS_ENV: "-1"}, "(0, 86400]")):
         with pytest.raises(InputError, match=re.escape(words)):
-            app_logic.AppLimits.from_env(bad)
+            edge.AppLimits.from_env(bad)
 
 
 def test_the_budget_line_counts_tokens_and_warns_when_only_the_window_is_kept():
     on = dataclasses.replace(Controls(), kv_on=True, kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=30)
-    line = app_logic.budget_summary(100, on)
+    line = edge.budget_summary(100, on)
     assert "**100** tokens" in line and "**50** tokens" in line and "**15**" in line and "⚠" not in line
-    assert "⚠" in app_logic.budget_summary(100, dataclasses.replace(on, kv_recent_pct=100))
-    assert "⚠" in app_logic.budget_summary(4, dataclasses.replace(on, kv_budget_pct=25, kv_recent_pct=100))
-    assert "⚠" not in app_logic.budget_summary(100, dataclasses.replace(on, kv_policy="window", kv_recent_pct=100))
-    assert "full KV cache" in app_logic.budget_summary(100, Controls(kv_on=False))
-    assert "KV budget must be" in app_logic.budget_summary(100, dataclasses.replace(on, kv_budget_pct="x"))
+    assert "⚠" in edge.budget_summary(100, dataclasses.replace(on, kv_recent_pct=100))
+    assert "⚠" in edge.budget_summary(4, dataclasses.replace(on, kv_budget_pct=25, kv_recent_pct=100))
+    assert "⚠" not in edge.budget_summary(100, dataclasses.replace(on, kv_policy="window", kv_recent_pct=100))
+    assert "full KV cache" in edge.budget_summary(100, Controls(kv_on=False))
+    assert "KV budget must be" in edge.budget_summary(100, dataclasses.replace(on, kv_budget_pct="x"))
 
 
 def test_the_prompt_line_uses_the_engines_count(handlers, tiny):
@@ -719,7 +724,7 @@ def test_options_that_do_not_apply_are_hidden():
     shown = dict(zip(app.OPTION_CONTROLS, (u["visible"] for u in app.option_visibility("sample", "keyformer"))))
     assert shown == dict(temperature=True, tau_init=True, tau_end=True, kv_observe=True, kv_pool=True,
                          kv_normalize=True)
-    assert not app_logic.shown_options("greedy", "h2o")["tau_init"]
+    assert not edge.shown_options("greedy", "h2o")["tau_init"]
 
 
 def test_jsonable_makes_strict_json():
@@ -741,3 +746,53 @@ def test_saved_runs_older_than_a_session_are_removed(tiny, tmp_path):
     handlers = app.Handlers(ModelCache(lambda name: tiny, adapters={}), downloads=tmp_path)
     saved = run(handlers, max_new_tokens=3)[-1].download
     assert not stale.exists() and [p.name for p in tmp_path.iterdir()] == [os.path.basename(saved)]
+
+
+# -- exact SkipDecode (issue #37) ----------------------------------------------------------------
+EXACT = dict(exact=True, kv_on=False, decoding="greedy", draft_k=2)
+
+
+def test_exact_mode_builds_an_exact_decoding_at_the_edge():
+    request = request_for(**EXACT, draft_head="32,768 most frequent tokens")
+    assert request.exact == ExactDecoding(2, draft_vocab=32768) and request.kv is None
+    assert "exact (verified)" in request.describe()
+    assert request_for(exact=False).exact is None
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(kv_on=True), "KV eviction"),
+    (dict(decoding="sample"), "greedy only"),
+    (dict(skip_on=False), "turn SkipDecode on"),
+    (dict(draft_k=0), "draft k"),
+    (dict(draft_k=edge.DRAFT_K_CAP + 1), "draft k"),
+    (dict(draft_head="half"), "draft head"),
+    (dict(exact="yes"), "exact on/off"),
+])
+def test_exact_mode_refuses_what_it_cannot_verify(changes, message):
+    with pytest.raises(InputError, match=message):
+        request_for(**dict(EXACT, **changes))
+
+
+def test_exact_mode_shows_no_differing_token_and_its_acceptance(handlers):
+    *_, final = run(handlers, **EXACT)
+    assert final.status.startswith("**Done**") and "exact (verified)" in final.status
+    assert final.full_text == final.skip_text
+    assert all(label is None for _, label in final.skip_diff), "exact mode's text is the full model's"
+    assert "tokens per verify step" in final.skip_metrics and "acceptance" in final.skip_metrics
+    assert isinstance(final.acceptance_plot, go.Figure) and final.acceptance_plot.data
+    *_, tuned = run(handlers, **EXACT, tuned=True)  # the tuned weights draft; the full model still verifies
+    assert tuned.status.startswith("**Done**") and tuned.full_text == tuned.skip_text
+    *_, plain = run(handlers, kv_on=False)
+    assert "tokens per verify step" not in plain.skip_metrics and not plain.acceptance_plot.data
+
+
+def test_the_exact_preset_quotes_the_exact_bench_or_says_it_is_not_measured(tmp_path):
+    preset = presets.PRESETS["SkipDecode exact (verified)"]
+    assert "not measured yet" in presets.preset_cost(preset, results_dir=tmp_path)
+    row = dict(variant="k=3", exact=preset.exact.describe(), speedup_vs_full=1.37, acceptance=0.61,
+               tokens_per_verify_step=2.25)
+    (tmp_path / presets.EXACT_BENCH_FILE).write_text(json.dumps(dict(batch=1, exact=[row])))
+    line = presets.preset_cost(preset, results_dir=tmp_path)
+    assert "1.37x" in line and "2.25 tokens per verify step" in line and presets.EXACT_BENCH_FILE in line
+    request = build_request(6, dataclasses.replace(Controls(layer_policy="top"), **preset.changes))
+    assert request.exact == preset.exact and request.kv is None and not request.settings.do_sample

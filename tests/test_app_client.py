@@ -10,7 +10,8 @@ import time
 import pytest
 
 from conftest import PROMPTS, serving
-from skipkey.serving.app_logic import Controls, ModelCache
+from skipkey.serving.models import ModelCache
+from skipkey.serving.request import Controls
 from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
 from skipkey.core.trace import Trace
@@ -57,8 +58,8 @@ def test_endpoints_are_named(client):
 
 
 def test_a_full_comparison_returns_both_texts_and_both_figures(client, tiny):
-    (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, retention_fig, step, diff,
-     download) = compare(client)
+    (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, acceptance_fig, retention_fig, step,
+     diff, download) = compare(client)
     assert status.startswith("**Done**") and full_text and skip_text
     solo = Trace.collect(Engine(tiny), [PROMPTS[0]], GenerationSettings(max_new_tokens=8))
     assert full_text == solo.text()
@@ -71,6 +72,14 @@ def test_a_full_comparison_returns_both_texts_and_both_figures(client, tiny):
         assert fig["type"] == "plotly"
         assert json.loads(fig["plot"])["data"][0]["type"] == "heatmap"
 
+
+
+def test_an_api_client_asks_for_exact_mode_and_gets_the_full_models_text(client):
+    (status, full_text, _, skip_text, skip_md, *_) = compare(client, exact=True, kv_on=False, draft_k=2)
+    assert status.startswith("**Done**") and "exact (verified)" in status
+    assert skip_text == full_text and "tokens per verify step" in skip_md
+    with pytest.raises(AppError, match="KV eviction"):
+        compare(client, exact=True, kv_on=True)
 
 @pytest.mark.parametrize("changes, message", [
     (dict(max_new_tokens=0), "max_new_tokens must be in 1..2048"),

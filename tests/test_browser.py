@@ -38,7 +38,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def served(tiny_models):
     import app
-    from skipkey.serving.app_logic import ModelCache
+    from skipkey.serving.models import ModelCache
 
     if SCREENSHOT:
         handlers = app.Handlers()
@@ -154,6 +154,7 @@ def test_compare_and_stop_in_chromium(served, page, tmp_path):
     wait_until(lambda: "ready" in status.inner_text(), 60 * slow, "the model to load")
 
     import app
+    from skipkey.serving.request import DEFAULT_PROMPT
 
     # 1. Each example sets every control it depends on: one method at a time.
     if not SCREENSHOT:
@@ -176,7 +177,7 @@ def test_compare_and_stop_in_chromium(served, page, tmp_path):
     # tiny model's byte-level tokenizer makes the retrieval prompt longer than its context).
     for label, settings in reversed(app.EXAMPLE_SETTINGS.items()):
         click_example(page, label, settings)
-    assert page.locator("#prompt textarea").input_value() == app.DEFAULT_PROMPT
+    assert page.locator("#prompt textarea").input_value() == DEFAULT_PROMPT
     # 2. A slider moves and the schedule preview redraws without running the model.
     wait_until(lambda: plotted(page, "schedule_preview"), 30, "the schedule preview")
     if not SCREENSHOT:  # the picture keeps the defaults: a target speedup, the tuned weights

@@ -120,7 +120,7 @@ def test_a_space_installs_a_cpp_compiler():
 
 
 def test_the_image_holds_the_results_the_page_quotes():
-    from skipkey.serving.app_logic import KV_QUALITY_FILE, SKIP_QUALITY_FILE
+    from skipkey.serving.presets import KV_QUALITY_FILE, SKIP_QUALITY_FILE
 
     ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
     for name in (SKIP_QUALITY_FILE, KV_QUALITY_FILE):

@@ -62,7 +62,7 @@ def test_batch_rows_match_solo_on_embedded_model(embedded):
 def test_the_committed_adapter_fits_the_embedded_model_and_lowers_skipping_perplexity(embedded):
     """assets/skipdecode-lora loads onto the embedded model (the app's 'tuned weights') and does what it was
     trained for: the full model's own continuation is far more likely under the tuned skipping model."""
-    from skipkey.serving.app_logic import EMBEDDED_ADAPTER
+    from skipkey.serving.models import EMBEDDED_ADAPTER
     from skipkey.quality.evaluate import EvalConfig, perplexity_and_accuracy
     from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
     from skipkey.skipdecode.plan import make_skipdecode

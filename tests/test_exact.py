@@ -360,7 +360,7 @@ def test_exact_on_the_embedded_model_with_the_committed_adapter_and_draft_vocab(
     batched, on a prompt past the 512-token sliding window."""
     from skipkey.core.loading import load_model
     from skipkey.quality.prompts import ORDINARY_PROMPTS, long_text_ids
-    from skipkey.serving.app_logic import EMBEDDED_ADAPTER
+    from skipkey.serving.models import EMBEDDED_ADAPTER
     from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
     from skipkey.skipdecode.exact import DRAFT_VOCAB_FILE
 

@@ -24,11 +24,14 @@ LAYERS = (
     "quality.metrics", "quality.figures", "quality.teacher_forced", "quality.served", "skipdecode.adapter", "models",
     "quality.bench",
     "quality.report", "quality.evaluate", "training.shapes", "training.recipe", "training.batches", "training.lora",
-    "training.finetune", "serving.app_logic", "options", "cli", "__main__",
+    "training.finetune", "serving.models", "serving.request", "serving.presets", "serving.comparison",
+    "serving.record", "options", "cli", "__main__",
 )
 # Each subpackage's __init__ sits where its room starts.
 PACKAGES = ("core", "kv", "skipdecode", "quality", "training", "serving")
-SERVING = ("app", "skipkey.serving.app_logic", "skipkey.core.engine", "skipkey.core.loading", "skipkey.skipdecode.adapter")
+SERVING = ("app", "app_handlers", "skipkey.serving.models", "skipkey.serving.request", "skipkey.serving.presets",
+           "skipkey.serving.comparison", "skipkey.serving.record", "skipkey.core.engine", "skipkey.core.loading",
+           "skipkey.skipdecode.adapter")
 TRAINING_AND_EVALUATION = {"skipkey.training.finetune", "skipkey.quality.evaluate", "skipkey.cli"}
 
 
@@ -36,6 +39,7 @@ def module_files() -> dict[str, Path]:
     files = {"skipkey." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts): path
              for path in PACKAGE.rglob("*.py")}
     files["app"] = ROOT / "app.py"
+    files["app_handlers"] = ROOT / "app_handlers.py"
     return files
 
 
@@ -161,9 +165,7 @@ LONG_FUNCTIONS = {
 MANY_PARAMETERS = {
     "skipkey.core.attention.skipkey_attention",  # transformers' AttentionInterface signature, not ours to shorten
 }
-LONG_MODULES = {
-    "skipkey.serving.app_logic",  # the app agent (#35) is moving the page's widget metadata out of it into app.py
-}
+LONG_MODULES: set[str] = set()
 
 
 def functions(tree: ast.AST, prefix: str):
@@ -185,7 +187,8 @@ def parameter_count(node: ast.FunctionDef) -> int:
 
 @pytest.fixture(scope="module")
 def sources() -> dict[str, str]:
-    return {name: path.read_text() for name, path in module_files().items() if name.startswith("skipkey.")}
+    """Every module of the package, and the page (``app``, ``app_handlers``): the same limits hold outside it."""
+    return {name: path.read_text() for name, path in module_files().items()}
 
 
 def test_no_module_is_over_the_line_limit(sources):
