@@ -65,6 +65,34 @@ class SkipDecodeRow:
 
 
 @dataclass(frozen=True)
+class ServedRow:
+    """SkipDecode with the committed adapter as the app serves it (one prompt at a time): speed from the frontier
+    bench, quality on the test prompts with 95% bootstrap intervals (``python -m experiments.served_quality``)."""
+    label: str
+    target: float
+    policy: str = "importance"
+    bench: str = "bench_skip_frontier_importance.json"
+    evaluation: str = "served_quality.json"
+    split: str = "test"
+    batch: int = 1
+
+    def cells(self) -> tuple[str, ...]:
+        run, row = bench_row(read(self.bench), f"skip {self.policy} {self.target:.1f}x (tuned)")
+        evaluated = read(self.evaluation)
+        served = next(r for r in evaluated["rows"] if r["split"] == self.split and r["batch"] == self.batch
+                      and r["config"] == f"tuned {self.target:g}x")
+        acc, ppl = served["next_token_accuracy_ci95"], served["ppl_of_full_continuations_ci95"]
+        quality = (f"next-token accuracy {served['next_token_accuracy']:.3f} [{acc[0]:.3f}, {acc[1]:.3f}], "
+                   f"PPL {served['ppl_of_full_continuations']:.2f} [{ppl[0]:.2f}, {ppl[1]:.2f}]")
+        prompts = (f"{self.split} (no setting chosen on them), one prompt at a time: {served['prompts']} prompts, "
+                   f"{evaluated['max_new_tokens']} tokens, 95% intervals")
+        date = evaluated["started"].split()[0]
+        places = f"speed {where(run)}; quality {evaluated['machine'].split(', torch')[0]}, {date}"
+        return (self.label, f"{row['speedup_vs_full']:.2f}x", quality, prompts,
+                f"{MODEL_NAMES.get(run['model'], run['model'])}, {places}", f"`{self.bench}`, `{self.evaluation}`")
+
+
+@dataclass(frozen=True)
 class KVRow:
     """A KV policy at a budget: decode speed from the KV bench at each prompt length, retrieval accuracy from the
     retrieval benchmark (answers kept out of the full model's, over every length)."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The speed figures quoted in docs/results, every one against the full model in the same interleaved run.
 # Run from the repository root on a quiet machine: bash experiments/speed.sh [BLOCK ...]
-# Blocks: engine skip frontier kv app offload (default: all, in that order).
+# Blocks: engine skip frontier kv app offload exact (default: all, in that order).
 set -euo pipefail
 out=assets/results
 py=".venv/bin/python -m skipkey bench"
@@ -82,11 +82,32 @@ $py --model embedded --dtype float32 --device-map auto --max-memory cpu:700MiB -
     --output $out/bench_offload_embedded.json
 }
 
+exact() {
+# Exact SkipDecode (issue 37): the tuned SkipDecode model drafts, the full model verifies; each setting in lockstep
+# beside the full model on the embedded model, batch 1 unless said: the 2x draft at k = 2, 3, 4 and adaptive (32k
+# draft head); the draft head's size at k = 3; a 1.5x and a constant 10-layer draft; batch 4. The acceptance on the
+# 48 validation prompts per draft depth, untimed: `bench --exact --acceptance-prompts 48` (docs/results/exact.md).
+ex="$py --exact --model embedded --adapter assets/skipdecode-lora --prompt-tokens 128 --max-new-tokens 64"
+$ex --skip-target 2 --draft-k 2 3 4 --draft-vocab 32768 --draft-adaptive 0.5 --repeats 3 --output $out/exact_b1.json
+$ex --skip-target 2 --draft-k 3 --draft-vocab 0 8192 65536 --repeats 3 --output $out/exact_b1_heads.json
+$ex --skip-target 1.5 --draft-k 3 --draft-vocab 32768 --repeats 3 --output $out/exact_b1_draft1.5.json
+$ex --skip-schedule constant --skip-layers 10 --draft-k 3 --draft-vocab 32768 --repeats 3 \
+    --output $out/exact_b1_constant10.json
+$ex --skip-target 2 --batch 4 --draft-k 3 --draft-vocab 32768 --repeats 2 --output $out/exact_b4.json
+# Larger shapes (random weights): their draft and verify costs measured, the acceptance taken from the embedded
+# model's batch-1 run at the same depth (EXACT_A, its measured agreement): a prediction, not a measurement.
+for model in opt-1.3b llama-mha-350m; do
+  $py --exact --model random:$model --skip-target 2 --batch 1 --prompt-tokens 128 --max-new-tokens 16 \
+      --draft-k 3 --draft-vocab 0 8192 --assume-acceptance "${EXACT_A:?set EXACT_A to the measured agreement}" \
+      --repeats 1 --warmup 0 --output $out/exact_predict_${model}.json
+done
+}
+
 blocks=("$@")
-[ ${#blocks[@]} -gt 0 ] || blocks=(engine skip frontier kv app offload)
+[ ${#blocks[@]} -gt 0 ] || blocks=(engine skip frontier kv app offload exact)
 for block in "${blocks[@]}"; do
   case $block in
-    engine|skip|frontier|kv|app|offload) "$block" ;;
-    *) echo "unknown block $block: choose from engine skip frontier kv app offload" >&2; exit 2 ;;
+    engine|skip|frontier|kv|app|offload|exact) "$block" ;;
+    *) echo "unknown block $block: choose from engine skip frontier kv app offload exact" >&2; exit 2 ;;
   esac
 done
