@@ -749,11 +749,11 @@ def test_saved_runs_older_than_a_session_are_removed(tiny, tmp_path):
 
 
 # -- exact SkipDecode (issue #37) ----------------------------------------------------------------
-EXACT = dict(exact=True, kv_on=False, decoding="greedy", draft_k=2)
+EXACT = dict(exact=True, kv_on=False, decoding="greedy", draft_k=2, draft_head="full head")  # the tiny model: 259 tokens
 
 
 def test_exact_mode_builds_an_exact_decoding_at_the_edge():
-    request = request_for(**EXACT, draft_head="32,768 most frequent tokens")
+    request = request_for(**dict(EXACT, draft_head="32,768 most frequent tokens"))
     assert request.exact == ExactDecoding(2, draft_vocab=32768) and request.kv is None
     assert "exact (verified)" in request.describe()
     assert request_for(exact=False).exact is None
@@ -765,6 +765,8 @@ def test_exact_mode_builds_an_exact_decoding_at_the_edge():
     (dict(skip_on=False), "turn SkipDecode on"),
     (dict(draft_k=0), "draft k"),
     (dict(draft_k=edge.DRAFT_K_CAP + 1), "draft k"),
+    (dict(draft_k=edge.APP_DRAFT_K_MAX + 1), r"draft k must be in 1\.\.4"),  # the page offers what was measured
+    (dict(draft_k=2.5), "whole number"),
     (dict(draft_head="half"), "draft head"),
     (dict(exact="yes"), "exact on/off"),
 ])

@@ -75,7 +75,7 @@ def test_a_full_comparison_returns_both_texts_and_both_figures(client, tiny):
 
 
 def test_an_api_client_asks_for_exact_mode_and_gets_the_full_models_text(client):
-    (status, full_text, _, skip_text, skip_md, *_) = compare(client, exact=True, kv_on=False, draft_k=2)
+    (status, full_text, _, skip_text, skip_md, *_) = compare(client, exact=True, kv_on=False, draft_k=2, draft_head="full head")
     assert status.startswith("**Done**") and "exact (verified)" in status
     assert skip_text == full_text and "tokens per verify step" in skip_md
     with pytest.raises(AppError, match="KV eviction"):

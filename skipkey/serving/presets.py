@@ -15,7 +15,8 @@ from types import MappingProxyType
 from typing import Mapping
 
 from skipkey.kv.policies import RECOMMENDED_OPTIONS
-from skipkey.serving.request import DEFAULT_DRAFT_K, DEFAULT_NEW_TOKENS, DEFAULT_PROMPT, DEFAULT_TARGET, DRAFT_HEADS, as_number, fmt
+from skipkey.serving.request import (DEFAULT_DRAFT_HEAD, DEFAULT_DRAFT_K, DEFAULT_NEW_TOKENS, DEFAULT_PROMPT,
+                                     DEFAULT_TARGET, DRAFT_HEADS, as_number, fmt)
 from skipkey.skipdecode.exact import ExactDecoding
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "results"
@@ -118,9 +119,9 @@ class Preset:
 
 
 _SKIP_ONLY = dict(skip_on=True, set_by="target speedup", tuned=True, kv_on=False, exact=False)
-_EXACT = ExactDecoding(DEFAULT_DRAFT_K)
+_EXACT = ExactDecoding(DEFAULT_DRAFT_K, draft_vocab=DRAFT_HEADS[DEFAULT_DRAFT_HEAD])
 _EXACT_ON = dict(_SKIP_ONLY, target_speedup=2.0, exact=True, decoding="greedy", draft_k=_EXACT.draft_k,
-                 draft_head=next(name for name, rows in DRAFT_HEADS.items() if rows == _EXACT.draft_vocab))
+                 draft_head=DEFAULT_DRAFT_HEAD)
 _KEYFORMER = dict(kv_on=True, kv_policy="keyformer", kv_budget_pct=50, kv_recent_pct=30)
 _QUERY_AWARE = dict(kv_observe=RECOMMENDED_OPTIONS["observe"], kv_pool=RECOMMENDED_OPTIONS["pool"])
 _QUERY_AWARE_ROW = "keyformer:" + ",".join(f"{k}={v}" for k, v in RECOMMENDED_OPTIONS.items()) + " 50%"
