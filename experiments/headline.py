@@ -4,9 +4,8 @@ in the same run, and its quality against the full model, read from the JSON in `
     python -m experiments.headline
 
 prints the markdown table; ``tests/test_repo.py`` fails when the README's copy differs. A new row is one more entry
-in ``ROWS``: e.g. test-split figures, ``SkipDecodeRow("SkipDecode 1.5x, tuned, test split", 1.5,
-evaluation="eval_tuned_test.json", chosen_on="test (settings chosen on other prompts)")``; another method, a small
-class with a ``label`` and ``cells()``.
+in ``ROWS``: e.g. the validation figures, ``ServedRow("SkipDecode 1.5x, validation", 1.5, split="validation")``;
+another method, a small class with a ``label``, the ``files`` it reads and ``cells()``.
 """
 
 from __future__ import annotations
@@ -41,30 +40,6 @@ def bench_row(runs: list[dict], variant: str, prompt_tokens: int | None = None) 
 
 
 @dataclass(frozen=True)
-class SkipDecodeRow:
-    """SkipDecode with the committed adapter: speed from the frontier bench, quality from a tuned evaluation
-    (``eval --suite tuned``; another file for another prompt split, with its own ``chosen_on``)."""
-    label: str
-    target: float
-    policy: str = "importance"
-    bench: str = "bench_skip_frontier_importance.json"
-    evaluation: str = "eval_tuned.json"
-    chosen_on: str = "validation (settings chosen on these prompts)"
-
-    def cells(self) -> tuple[str, ...]:
-        run, row = bench_row(read(self.bench), f"skip {self.policy} {self.target:.1f}x (tuned)")
-        evaluated = read(self.evaluation)
-        rows = {r["label"]: r for r in evaluated["tuned"]}
-        tuned, full = rows[f"{self.policy} {self.target:.1f}x tuned"], rows["full"]
-        quality = (f"next-token accuracy {tuned['next_token_accuracy']:.3f}, ROUGE-L {tuned['rouge_l']:.3f}, "
-                   f"PPL {tuned['ppl_of_full_continuations']:.2f} (full {full['ppl_of_full_continuations']:.2f})")
-        prompts = f"{self.chosen_on}: {evaluated['prompts']} prompts"
-        places = where(run) if where(run) == where(evaluated) else f"speed {where(run)}; quality {where(evaluated)}"
-        return (self.label, f"{row['speedup_vs_full']:.2f}x", quality, prompts,
-                f"{MODEL_NAMES.get(run['model'], run['model'])}, {places}", f"`{self.bench}`, `{self.evaluation}`")
-
-
-@dataclass(frozen=True)
 class ServedRow:
     """SkipDecode with the committed adapter as the app serves it (one prompt at a time): speed from the frontier
     bench, quality on the test prompts with 95% bootstrap intervals (``python -m experiments.served_quality``)."""
@@ -75,6 +50,10 @@ class ServedRow:
     evaluation: str = "served_quality.json"
     split: str = "test"
     batch: int = 1
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self.bench, self.evaluation
 
     def cells(self) -> tuple[str, ...]:
         run, row = bench_row(read(self.bench), f"skip {self.policy} {self.target:.1f}x (tuned)")
@@ -93,6 +72,30 @@ class ServedRow:
 
 
 @dataclass(frozen=True)
+class ExactRow:
+    """Exact SkipDecode (the tuned SkipDecode model drafts, the full model verifies): speed from the exact bench,
+    in lockstep beside the full model; quality is the full model's by construction, checked token for token."""
+    label: str
+    exact: str  # the setting's ``ExactDecoding.describe()``
+    bench: str = "exact_b1.json"
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (self.bench,)
+
+    def cells(self) -> tuple[str, ...]:
+        run = read(self.bench)[0]
+        row = next(r for r in run["exact"] if r["exact"] == self.exact)
+        speed = (f"{row['speedup_vs_full']:.2f}x ({row['tokens_per_verify_step']:.2f} tokens per verify step; "
+                 f"byte model {row['predicted_speedup']:.2f}x)")
+        quality = "identical to the full model, token for token" if row["identical"] else "DIFFERS from the full model"
+        prompts = (f"one synthetic {run['prompt_tokens'][0]}-token prompt, {run['max_new_tokens']} tokens (acceptance "
+                   f"{row['acceptance']:.2f}; lower on real prompts: docs/results/exact.md)")
+        return (self.label, speed, quality, prompts, f"{MODEL_NAMES.get(run['model'], run['model'])}, {where(run)}",
+                f"`{self.bench}`")
+
+
+@dataclass(frozen=True)
 class KVRow:
     """A KV policy at a budget: decode speed from the KV bench at each prompt length, retrieval accuracy from the
     retrieval benchmark (answers kept out of the full model's, over every length)."""
@@ -103,6 +106,10 @@ class KVRow:
     bench: str = "bench_kv_embedded.json"
     evaluation: str = "eval_kv_retrieval_benchmark.json"
     chosen_on: str = "test (options chosen on another task seed)"
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self.bench, self.evaluation
 
     def cells(self) -> tuple[str, ...]:
         runs = read(self.bench)
@@ -124,8 +131,10 @@ class KVRow:
 
 
 ROWS = (
-    SkipDecodeRow("SkipDecode 1.5x, tuned (`importance`, the app's default)", 1.5),
-    SkipDecodeRow("SkipDecode 2x, tuned (`importance`)", 2.0),
+    ServedRow("SkipDecode 1.5x, tuned (`importance`, the app's default)", 1.5),
+    ServedRow("SkipDecode 2x, tuned (`importance`)", 2.0),
+    ExactRow("Exact SkipDecode (2x draft, k = 3, 32k-token draft head; the app's exact preset)",
+             "exact (verified), k = 3, 32768-token draft head"),
     KVRow("Keyformer 50% of the prompt, query-aware (`observe=8,pool=7`)", "keyformer:observe=8,pool=7",
           "keyformer (50% of prompt, recent 30%, observe 8, pool 7)"),
 )
