@@ -12,7 +12,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parents[1] / "assets" / "results"
 SPEED_FILES = ("exact_b1.json", "exact_b1_heads.json", "exact_b1_draft1.5.json", "exact_b1_constant10.json",
                "exact_b4.json")
-PREDICTION_FILES = ("exact_predict_opt-1.3b.json", "exact_predict_llama-mha-350m.json")
+PREDICTION_FILES = ("exact_predict_opt-1.3b.json", "exact_predict_llama-mha-350m.json", "exact_predict_llama-7b.json")
 
 
 def _num(value, spec: str) -> str:

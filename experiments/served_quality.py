@@ -1,6 +1,7 @@
 """Tuned SkipDecode's quality as served, on validation and test prompts, with 95% intervals.
 
     python -m experiments.served_quality --output assets/results/served_quality.json
+    python -m experiments.served_quality --table assets/results/served_quality.json   # its markdown table
 
 Validation = ``prompts.ORDINARY_PROMPTS`` (the serving shapes were chosen on them);
 test = ``splits.test_prompts()`` (never used to choose anything). Batch 1 is how the
@@ -10,6 +11,7 @@ app and ``generate`` serve; batch 8 is how ``eval`` used to measure.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -40,11 +42,28 @@ def parse(argv):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--output", default="assets/results/served_quality.json")
+    p.add_argument("--table", metavar="JSON", help="print the markdown table of a finished run and stop")
     return p.parse_args(argv)
+
+
+def table(record: dict) -> str:
+    """One line per split, batch and config: accuracy and perplexity with their 95% intervals."""
+    lines = ["| prompts | served | config | next-token accuracy [95% CI] | PPL of full continuations [95% CI] |",
+             "|---|---|---|---|---|"]
+    for r in record["rows"]:
+        acc, ppl = r["next_token_accuracy_ci95"], r["ppl_of_full_continuations_ci95"]
+        served = "one prompt at a time (as the app)" if r["batch"] == 1 else f"batches of {r['batch']}"
+        lines.append(f"| {r['split']} ({r['prompts']}) | {served} | {r['config']} | {r['next_token_accuracy']:.3f} "
+                     f"[{acc[0]:.3f}, {acc[1]:.3f}] | {r['ppl_of_full_continuations']:.2f} [{ppl[0]:.2f}, {ppl[1]:.2f}] |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)))
+        return 0
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     loaded = load(args.model, dtype=args.dtype)
     tuned = load_tuned(loaded, args.adapter)

@@ -101,6 +101,9 @@ for model in opt-1.3b llama-mha-350m; do
       --draft-k 3 --draft-vocab 0 8192 --assume-acceptance "${EXACT_A:?set EXACT_A to the measured agreement}" \
       --repeats 1 --warmup 0 --output $out/exact_predict_${model}.json
 done
+# The Llama-7B shape, shorter (13.5 GB of bf16 weights: about 1.5 s a step on 2 cores), full head only.
+$py --exact --model random:llama-7b --skip-target 2 --batch 1 --prompt-tokens 64 --max-new-tokens 12 --draft-k 3 \
+    --draft-vocab 0 --assume-acceptance "$EXACT_A" --repeats 1 --warmup 0 --output $out/exact_predict_llama-7b.json
 }
 
 blocks=("$@")
