@@ -13,7 +13,7 @@ from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps,
 from skipkey.errors import InputError
 from skipkey.kv.policies import KV_POLICIES, KVSpec, parse_budget, parse_policy_spec, policy_options
 from skipkey.quality.prompts import ORDINARY_PROMPTS
-from skipkey.skipdecode.exact import DRAFT_K_CAP, ExactDecoding
+from skipkey.skipdecode.exact import DEFAULT_DRAFT_VOCAB, DRAFT_K_CAP, ExactDecoding
 from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecodeSpec
 from skipkey.skipdecode.schedules import SCHEDULE_KINDS
 
@@ -167,9 +167,10 @@ def add_exact_args(p: argparse.ArgumentParser, bench: bool = False):
     many = dict(nargs="+") if bench else {}
     g.add_argument("--draft-k", type=int, default=[2, 3, 4, 6, 8] if bench else 3, **many,
                    help=f"tokens drafted per verify step, 1..{DRAFT_K_CAP} (adaptive: the most)")
-    g.add_argument("--draft-vocab", type=int, default=[0, 32768] if bench else 0, **many,
-                   help="draft head rows: the N most frequent tokens (0 = the full head; 32768 is the fastest "
-                        "measured on the embedded model); verification always uses the full head")
+    g.add_argument("--draft-vocab", type=int, default=[0, DEFAULT_DRAFT_VOCAB] if bench else None, **many,
+                   help=f"draft head rows: the N most frequent tokens (0 = the full head; default: {DEFAULT_DRAFT_VOCAB}, "
+                        "the fastest measured on the embedded model, where the model has more tokens, else the full "
+                        "head); verification always uses the full head")
     g.add_argument("--draft-adaptive", type=float, default=0.0, metavar="P",
                    help="adaptive k: stop drafting below this draft probability and back off after rejected "
                         "drafts (0 = fixed k)" + ("; bench adds one adaptive run per draft vocab" if bench else ""))

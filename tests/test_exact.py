@@ -409,3 +409,14 @@ def test_exact_starts_from_a_recorded_prompt_pass(tiny_models):
     replayed = Trace.collect(engine, [LONG], settings, prompt_pass=recorded)
     assert replayed.tokens() == exact_trace(lm, [LONG], ExactDecoding(3), 20).tokens() == \
         greedy(lm, lm.tokenizer(LONG)["input_ids"], 20)
+
+
+def test_the_default_draft_head_is_the_measured_best_where_the_vocabulary_is_larger():
+    from skipkey.skipdecode.exact import DEFAULT_DRAFT_VOCAB
+
+    auto = ExactDecoding()
+    assert auto.draft_k == 3 and auto.draft_vocab is None
+    assert auto.draft_rows(262_144) == DEFAULT_DRAFT_VOCAB == 32768  # the embedded model: 1.52x measured
+    assert auto.draft_rows(259) == 0  # a tiny model keeps its full head rather than being refused
+    assert ExactDecoding(draft_vocab=0).draft_rows(262_144) == 0
+    assert "where the vocabulary is larger" in auto.describe()

@@ -26,7 +26,7 @@ from skipkey.core.engine import Engine
 from skipkey.core.loading import EMBEDDED, LoadedModel
 from skipkey.errors import InputError
 from skipkey.kv.policies import KV_POLICIES, KVPolicy, KVSpec, make_kv_policy, policy_options
-from skipkey.skipdecode.exact import DRAFT_K_CAP, ExactDecoding
+from skipkey.skipdecode.exact import DEFAULT_DRAFT_VOCAB, DRAFT_K_CAP, ExactDecoding
 from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecode, SkipDecodeSpec
 from skipkey.skipdecode.schedules import SCHEDULE_KINDS
 
@@ -41,7 +41,7 @@ DEFAULT_TARGET = 1.5  # SkipDecode's default nominal speedup (README, "SkipDecod
 MAX_NEW_TOKENS_UI = 512
 # Exact SkipDecode's draft head: the full LM head, or the rows of the most frequent tokens
 # (skipkey.skipdecode.exact.DRAFT_VOCAB_FILE ranks them for the embedded model's tokenizer).
-DRAFT_VOCAB_TOKENS = 32768
+DRAFT_VOCAB_TOKENS = DEFAULT_DRAFT_VOCAB
 DRAFT_HEADS: Mapping[str, int] = MappingProxyType({"full head": 0,
                                                    f"{DRAFT_VOCAB_TOKENS:,} most frequent tokens": DRAFT_VOCAB_TOKENS})
 # Measured (docs/results/exact.md, exact_b1*.json): k = 3 with the 32k-token head is the fastest setting (1.52x the

@@ -52,6 +52,8 @@ from skipkey.quality.prompts import training_prompts, training_text
 
 DRAFT_K_CAP = 16  # drafted tokens per verify step; beyond it the acceptance a^k makes more drafting pointless
 MAX_PAUSE = 16  # adaptive k: the most plain (undrafted) steps between probes after rejected drafts
+# The draft head's rows where none is named: the fastest measured on the embedded model (docs/results/exact.md).
+DEFAULT_DRAFT_VOCAB = 32768
 DRAFT_VOCAB_FILE = Path(__file__).resolve().parents[2] / "assets" / "skipdecode-lora" / "draft_vocab.json"
 # The corpus token frequencies are counted on: seeded windows of the offline training text
 # (Python's help topics and standard-library source) plus the adapter's training prompts.
@@ -69,12 +71,13 @@ class ExactDecoding:
     and pauses drafting (probing again after a doubling wait) after a cycle that
     accepted nothing, so speed does not fall much below the full model's.
     ``draft_vocab``: 0 for the full LM head, else the draft head's rows, the ``N``
-    most frequent tokens (``token_ranking``).
+    most frequent tokens (``token_ranking``); None: ``DEFAULT_DRAFT_VOCAB`` rows where the
+    model has more tokens than that, else the full head.
     """
 
     draft_k: int = 3  # the fastest measured on the embedded model (docs/results/exact.md)
     adaptive: float = 0.0
-    draft_vocab: int = 0
+    draft_vocab: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "draft_k", require_int("draft k", self.draft_k, 1, DRAFT_K_CAP))
@@ -82,7 +85,8 @@ class ExactDecoding:
         if adaptive == 1.0:
             raise InputError("adaptive draft threshold must be in [0, 1) (0 = fixed k), got 1.0")
         object.__setattr__(self, "adaptive", adaptive)
-        object.__setattr__(self, "draft_vocab", require_int("draft vocab", self.draft_vocab, 0))
+        if self.draft_vocab is not None:
+            object.__setattr__(self, "draft_vocab", require_int("draft vocab", self.draft_vocab, 0))
 
     @property
     def lookback(self) -> int:
@@ -91,14 +95,15 @@ class ExactDecoding:
 
     def describe(self) -> str:
         k = f"adaptive k <= {self.draft_k} (p >= {self.adaptive:g})" if self.adaptive else f"k = {self.draft_k}"
-        head = f", {self.draft_vocab}-token draft head" if self.draft_vocab else ""
+        head = (f", {self.draft_vocab}-token draft head" if self.draft_vocab else "" if self.draft_vocab == 0 else
+                f", {DEFAULT_DRAFT_VOCAB}-token draft head where the vocabulary is larger")
         return f"exact (verified), {k}{head}"
 
     # -- the edge ----------------------------------------------------------------
     def validate(self, engine) -> None:
         """Refuse what cannot be exact for ``engine``'s model and methods (once, when the engine is built)."""
         vocab = engine.full_arch.model.lm_head.weight.shape[0]
-        if self.draft_vocab > vocab:
+        if self.draft_vocab is not None and self.draft_vocab > vocab:
             raise InputError(f"draft vocab must be in 0..{vocab} (0 = the full head; the model has {vocab} tokens), "
                              f"got {self.draft_vocab}")
         if engine.kv is not None and engine.kv.evicts:
@@ -207,13 +212,20 @@ class ExactDecoding:
             hidden = arch.run_layer(idx, hidden, layer_kwargs[idx], state=state)
         return arch.head(hidden).argmax(dim=-1)
 
+    def draft_rows(self, vocab: int) -> int:
+        """The draft head's rows for a model of ``vocab`` tokens (0: the full head)."""
+        if self.draft_vocab is None:
+            return DEFAULT_DRAFT_VOCAB if vocab > DEFAULT_DRAFT_VOCAB else 0
+        return self.draft_vocab
+
     def _draft_ids(self, engine) -> torch.Tensor | None:
-        if self.draft_vocab == 0:
-            return None
         vocab = engine.full_arch.model.lm_head.weight.shape[0]
+        rows = self.draft_rows(vocab)
+        if rows == 0:
+            return None
         ranking = token_ranking(engine.tokenizer, vocab)
         eos = [t for t in sorted(engine.eos_ids) if 0 <= t < vocab]
-        ids = list(dict.fromkeys(eos + ranking))[:self.draft_vocab]  # the draft can always end a text
+        ids = list(dict.fromkeys(eos + ranking))[:rows]  # the draft can always end a text
         return torch.tensor(sorted(ids), dtype=torch.long)
 
 
