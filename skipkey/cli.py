@@ -95,7 +95,6 @@ def cmd_bench(args) -> int:
     from skipkey.quality.bench import format_table, run_bench, synthetic_prompt
     from skipkey.core.engine import Engine
     from skipkey.models import load
-    from skipkey.provenance import command_line, machine_description
 
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     check_methods_early(args)
@@ -133,14 +132,20 @@ def cmd_bench(args) -> int:
                   file=sys.stderr)
             result = run_bench(loaded, variants, prompts, settings, repeats=args.repeats, warmup=args.warmup,
                                log=lambda msg: print(msg, file=sys.stderr))
-            result.update(model=loaded.name, device=str(loaded.device), dtype=str(loaded.dtype),
-                          placement=placement_record(loaded),
-                          date=time.strftime("%Y-%m-%d"), machine=machine_description(loaded.device),
-                          command=command_line(args.argv))
+            stamp(result, args, loaded, placement=placement_record(loaded))
             print(format_table(result), flush=True)
             results.append(result)
     write_output(args.output, results)
     return 0
+
+
+def stamp(result: dict, args, loaded, **extra) -> None:
+    """What a bench result records of its run: the model, device and dtype, the date, machine and command."""
+    from skipkey.provenance import command_line, machine_description
+
+    result.update(model=loaded.name, device=str(loaded.device), dtype=str(loaded.dtype), **extra,
+                  date=time.strftime("%Y-%m-%d"), machine=machine_description(loaded.device),
+                  command=command_line(args.argv))
 
 
 def write_output(path: str | None, record) -> None:
@@ -156,7 +161,6 @@ def bench_exact(args, settings: GenerationSettings) -> int:
 
     from skipkey.core.engine import Engine
     from skipkey.models import load
-    from skipkey.provenance import command_line, machine_description
     from skipkey.quality.bench import format_exact_table, run_exact_bench, synthetic_prompt
 
     torch.manual_seed(0)
@@ -181,9 +185,7 @@ def bench_exact(args, settings: GenerationSettings) -> int:
             result = run_exact_bench(full, drafts, prompts, settings, repeats=args.repeats, warmup=args.warmup,
                                      assume_acceptance=args.assume_acceptance,
                                      log=lambda msg: print(msg, file=sys.stderr))
-            result.update(model=loaded.name, adapter=args.adapter, device=str(loaded.device), dtype=str(loaded.dtype),
-                          date=time.strftime("%Y-%m-%d"), machine=machine_description(loaded.device),
-                          command=command_line(args.argv))
+            stamp(result, args, loaded, adapter=args.adapter)
             print(format_exact_table(result), flush=True)
             results.append(result)
     write_output(args.output, results)
