@@ -3,6 +3,7 @@
 They use only SkipKey's public API (``tests/test_repo.py`` checks: no ``sys.path`` edits, no underscore names).
 
 headline          the README's headline table, from the JSON in assets/results
+exact_table       the tables of docs/results/exact.md (exact SkipDecode: speed, acceptance, predictions)
 frontier          SkipDecode's accuracy against measured speedup (docs/results/skipdecode.md)
 shape_check       an adapter's quality at the shapes it is served with (the shape study's quick measure)
 served_quality    tuned SkipDecode as served (one prompt at a time) on validation and test, with 95% intervals
