@@ -20,6 +20,7 @@ from skipkey.options import (add_adapter_arg, add_exact_args, check_exact_early,
                              methods_from, placement_from, settings_from)
 from skipkey.skipdecode.adapter import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS
 from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecodeSpec
+from skipkey.training.recipe import IMPORTANCE_FROM, KL_OVER, PROMPT_SETS
 
 
 # -- commands -------------------------------------------------------------------
@@ -359,12 +360,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of KL(full model || skipping model) added to the LM loss; 0 = LM loss only")
     p.add_argument("--targets", type=float, nargs="+", default=[1.5, 3.0],
                    help="one nominal speedup (fixed schedule) or LOW HIGH (drawn uniformly per batch)")
+    p.add_argument("--kl-over", choices=KL_OVER, default="top-k",
+                   help="the KL term over the full model's stored top-64 log-probs (plus one bucket for the rest), "
+                        "or over its whole vocabulary, recomputed at every position (exact; one more forward per step)")
     p.add_argument("--skip-policy", choices=LAYER_POLICIES, default="top",
                    help="the layer policy to train with: the paper's top layers, or the layers each batch's "
                         "prompts rank most important (the adapter is then for that policy)")
+    p.add_argument("--importance-from", choices=IMPORTANCE_FROM, default="batch",
+                   help="with --skip-policy importance: rank the layers on the whole batch's prompts, or each "
+                        "sequence's on its own prompt, as the app and generate serve one prompt at a time")
     p.add_argument("--gen-len", type=int, default=64, help="continuation tokens per training sequence")
     p.add_argument("--sequences", type=int, default=320,
                    help="training sequences: the full model's continuations of training prompts")
+    p.add_argument("--prompts", choices=PROMPT_SETS, default="generic",
+                   help="the training prompts: generic (topic templates, code openers, help text) or categories "
+                        "(the test set's 13 categories, from other templates and words)")
     p.add_argument("--text-sequences", type=int, default=0,
                    help="training sequences: windows of offline text (Python's help topics and standard library)")
     p.add_argument("--text-prompt-len", type=int, default=32, help="tokens of a text window before its continuation")

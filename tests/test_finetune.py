@@ -15,12 +15,12 @@ from skipkey.core.architectures import get_architecture
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
+from skipkey.training.batches import draw_layer_sets
 from skipkey.training.finetune import (
     FinetuneConfig,
     SkippingGate,
     batch_importance,
     build_dataset,
-    draw_layer_sets,
     make_batch,
     skipdecode_loss,
     train,
@@ -30,7 +30,7 @@ from skipkey.skipdecode.adapter import (METADATA_FILE, SKIPPING_STEPS, fingerpri
                           record_serving_shapes)
 from skipkey.skipdecode.schedules import ScheduleShape
 from skipkey.skipdecode.plan import make_skipdecode
-from skipkey.quality.teacher_forced import teacher_forced_logits
+from skipkey.quality.teacher_forced import teacher_forced_logits, teacher_forced_logits_batch
 from skipkey.quality.prompts import ORDINARY_PROMPTS, training_prompts
 from skipkey.core.tiny import tiny_model
 
@@ -63,7 +63,7 @@ def trained(tmp_path_factory):
 
 def test_a_stopped_data_build_resumes_at_its_first_unfinished_chunk_and_gives_the_unstopped_result(tmp_path,
                                                                                                 monkeypatch):
-    import skipkey.training.finetune as finetune
+    import skipkey.training.data as data_module
 
     lm = tiny_model("gemma3")
     cfg = FinetuneConfig(model=lm.name, out=str(tmp_path / "lora"), **{**TINY, "text_sequences": 6,
@@ -72,7 +72,7 @@ def test_a_stopped_data_build_resumes_at_its_first_unfinished_chunk_and_gives_th
     whole = build_dataset(lm, cfg, log=quiet, chunk=4)  # 4 chunks of continuations, 2 of text
 
     monkeypatch.setenv("SKIPKEY_CACHE", str(tmp_path / "stopped"))
-    teacher, calls = finetune._teacher, []
+    teacher, calls = data_module._teacher, []
 
     def stops_at_the_fourth(*args, **kwargs):
         calls.append(1)
@@ -80,10 +80,10 @@ def test_a_stopped_data_build_resumes_at_its_first_unfinished_chunk_and_gives_th
             raise KeyboardInterrupt
         return teacher(*args, **kwargs)
 
-    monkeypatch.setattr(finetune, "_teacher", stops_at_the_fourth)
+    monkeypatch.setattr(data_module, "_teacher", stops_at_the_fourth)
     with pytest.raises(KeyboardInterrupt):
         build_dataset(lm, cfg, log=quiet, chunk=4)
-    monkeypatch.setattr(finetune, "_teacher", teacher)
+    monkeypatch.setattr(data_module, "_teacher", teacher)
     (parts_dir,) = (tmp_path / "stopped").rglob("*.parts")
     assert sorted(p.name for p in parts_dir.iterdir()) == ["00000.pt", "00001.pt", "00002.pt"]
     said = []
@@ -378,13 +378,14 @@ def test_an_importance_adapter_trains_records_its_policy_and_the_cli_serves_it_s
     lm = tiny_model("gemma3")
     cfg = FinetuneConfig(model=lm.name, out=str(cache / "imp"), **{**TINY, "skip_policy": "importance",
                                                                     "steps": 20})
-    ranked, draw = {}, finetune.draw_layer_sets
+    ranked, draw = {}, finetune.draw_row_layer_sets
 
-    def recording(num_layers, config, step, scores=None, shapes=None):
-        ranked[step] = scores
-        return draw(num_layers, config, step, scores, shapes)
+    def recording(num_layers, config, step, row_scores, shapes=None):
+        ranked[step] = row_scores[0]
+        assert all(scores == row_scores[0] for scores in row_scores)  # one ranking for the batch
+        return draw(num_layers, config, step, row_scores, shapes)
 
-    monkeypatch.setattr(finetune, "draw_layer_sets", recording)
+    monkeypatch.setattr(finetune, "draw_row_layer_sets", recording)
     meta = train(cfg, lm, work_dir=cache / "w", log=quiet)
     # Each batch was ranked as served: by the original model's prompt pass (a skip-only adapter never applies
     # at the prompt), although the adapter had been training in place on this very model for 19 steps.
@@ -419,6 +420,10 @@ def test_an_importance_adapter_trains_records_its_policy_and_the_cli_serves_it_s
     (dict(applies_at="every-step", min_skipped=2), "for an adapter applied at skipping steps only"),
     (dict(min_skipped=0), "min_skipped must be in"),
     (dict(skip_policy="bottom"), "skip_policy must be one of top, importance"),
+    (dict(importance_from="prompt"), "--importance-from is for --skip-policy importance"),
+    (dict(skip_policy="importance", importance_from="step"), "importance_from must be one of batch, prompt"),
+    (dict(kl_over="top-8"), "kl_over must be one of top-k, full-vocab"),
+    (dict(prompts="test"), "prompts must be one of generic, categories"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(InputError, match=message):
@@ -546,3 +551,64 @@ def test_the_committed_adapter_round_trips_its_shapes_and_policy_and_the_cli_use
         override = build_parser().parse_args(["generate", "--prompt", "x", "--adapter", adapter, "--skip-target", str(target),
                                               "--skip-schedule", "constant"])
         assert skipdecode_from(override, 18, 64).schedule.b_min == skipdecode_from(override, 18, 64).schedule.b_max
+
+
+def test_the_full_vocabulary_teacher_is_the_original_model_and_bounds_the_top_k_kl(cache):
+    """``--kl-over full-vocab``: the teacher is the original model's whole distribution (the adapter switched
+    off where it wraps the model), so the stored top-k KL is a lower bound of its KL, and a run trains with it."""
+    from skipkey.skipdecode.adapter import lora_targets
+    from skipkey.training.finetune import full_vocab_teacher
+    from skipkey.training.lora import add_lora, load_adapter_weights
+
+    lm = tiny_model("gemma3")
+    cfg = FinetuneConfig(model=lm.name, out=str(cache / "fv"), **{**TINY, "kl_over": "full-vocab", "steps": 4})
+    data = build_dataset(lm, cfg, log=quiet)
+    batch = make_batch(data, list(range(4)), cfg.gen_len)
+    arch = get_architecture(lm.model)
+    with torch.no_grad():
+        original = torch.log_softmax(teacher_forced_logits_batch(
+            arch, batch["input_ids"], batch["prompt_lens"], attention_mask=batch["attention_mask"],
+            logits_at=batch["logits_at"]).float(), -1)
+    meta = train(cfg, lm, work_dir=cache / "w", log=quiet)
+    assert "whole vocabulary" in meta["data"]["teacher"] and "--kl-over full-vocab" in meta["command"]
+    peft_model = add_lora(lm.model, cfg, lora_targets(lm.model))  # the trained adapter wraps the model itself
+    try:
+        load_adapter_weights(peft_model, cfg.out)
+        with torch.no_grad():
+            wrapped = teacher_forced_logits_batch(get_architecture(lm.model), batch["input_ids"], batch["prompt_lens"],
+                                                  attention_mask=batch["attention_mask"], logits_at=batch["logits_at"])
+        assert (torch.log_softmax(wrapped.float(), -1) - original).abs().max() > 1e-3  # so switching off matters
+        torch.testing.assert_close(full_vocab_teacher(lm, lm.model, peft_model)(batch), original)
+    finally:
+        peft_model.unload()
+    sets = draw_layer_sets(lm.num_layers, dataclasses.replace(cfg, targets=(2.5,)), 0)[1]
+    with torch.no_grad():
+        _, _, exact = skipdecode_loss(arch, batch, sets, 1.0, teacher=lambda b: original)
+        _, _, bound = skipdecode_loss(arch, batch, sets, 1.0)
+    assert 0 < bound <= exact + 1e-6 and exact > bound * 1.001  # 64 of 259 tokens: a strict lower bound
+
+
+def test_ranked_per_prompt_each_sequence_skips_the_layers_its_own_prompt_ranks_least(cache, monkeypatch):
+    """``--importance-from prompt``: every row of a batch gets the ranking its prompt gets served alone."""
+    import skipkey.training.finetune as finetune
+
+    lm = tiny_model("gemma3")
+    cfg = FinetuneConfig(model=lm.name, out=str(cache / "pp"), **{**TINY, "skip_policy": "importance",
+                                                                   "importance_from": "prompt", "steps": 3})
+    ranked, draw = {}, finetune.draw_row_layer_sets
+
+    def recording(num_layers, config, step, row_scores, shapes=None):
+        ranked[step] = row_scores
+        target, sets = draw(num_layers, config, step, row_scores, shapes)
+        ranked[step, "sets"] = sets
+        return target, sets
+
+    monkeypatch.setattr(finetune, "draw_row_layer_sets", recording)
+    meta = train(cfg, lm, work_dir=cache / "w", log=quiet)
+    assert "its own prompt" in meta["method"] and "--importance-from prompt" in meta["command"]
+    data = build_dataset(lm, cfg, log=quiet)
+    original = Engine(tiny_model("gemma3"))
+    rows = finetune.batch_rows(data, 2, cfg)
+    assert ranked[2] == [original.prompt_pass([data["prompt_ids"][r]]).importance for r in rows]
+    assert len(set(ranked[2])) > 1, "the rows' rankings must differ, or this test proves nothing"
+    assert len({tuple(map(tuple, sets)) for sets in ranked[2, "sets"]}) > 1

@@ -23,7 +23,7 @@ LAYERS = (
     "kv.scoring", "kv.budgets", "kv.policies", "skipdecode.schedules", "skipdecode.rankings", "skipdecode.plan", "skipdecode.exact",
     "quality.metrics", "quality.figures", "quality.teacher_forced", "quality.served", "skipdecode.adapter", "models",
     "quality.bench",
-    "quality.report", "quality.evaluate", "training.shapes", "training.recipe", "training.batches", "training.lora",
+    "quality.report", "quality.evaluate", "training.shapes", "training.recipe", "training.batches", "training.data", "training.lora",
     "training.finetune", "serving.models", "serving.request", "serving.presets", "serving.comparison",
     "serving.record", "options", "cli", "__main__",
 )
@@ -32,7 +32,7 @@ PACKAGES = ("core", "kv", "skipdecode", "quality", "training", "serving")
 SERVING = ("app", "app_handlers", "skipkey.serving.models", "skipkey.serving.request", "skipkey.serving.presets",
            "skipkey.serving.comparison", "skipkey.serving.record", "skipkey.core.engine", "skipkey.core.loading",
            "skipkey.skipdecode.adapter")
-TRAINING_AND_EVALUATION = {"skipkey.training.finetune", "skipkey.quality.evaluate", "skipkey.cli"}
+TRAINING_AND_EVALUATION = {"skipkey.training.finetune", "skipkey.training.data", "skipkey.quality.evaluate", "skipkey.cli"}
 
 
 def module_files() -> dict[str, Path]:

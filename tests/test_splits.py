@@ -6,11 +6,12 @@ from collections import Counter
 import pytest
 
 from skipkey.quality.prompts import ORDINARY_PROMPTS, _doc_passages, _stdlib_sources, training_prompts
-from skipkey.quality.splits import categories, test_prompts
+from skipkey.quality.splits import categories, test_prompts, train_category_prompts
 
 WINDOW = 12
 TRAINING_SEEDS = range(8)  # the adapter's rounds used seeds 0..5; a margin for the next ones
 TRAINING_COUNT = 1000  # more prompts than any round has drawn (at most 960, seed 4)
+CATEGORY_COUNT = 1950  # the training categories' prompts: every one of at most 150 per category, in turn
 
 
 def words(text: str) -> list[str]:
@@ -35,6 +36,7 @@ def training_corpus() -> str:
     from pydoc_data.topics import topics
 
     docs = [p for seed in TRAINING_SEEDS for p in training_prompts(TRAINING_COUNT, seed)]
+    docs += [p for seed in TRAINING_SEEDS for p in train_category_prompts(CATEGORY_COUNT, seed)]
     docs += _doc_passages() + list(topics.values())
     for path in _stdlib_sources():
         try:
@@ -73,3 +75,16 @@ def test_the_window_check_would_catch_a_leak(training_corpus):
 def test_categories_are_balanced(test_set):
     per = len(test_set) // len(categories())
     assert Counter(len(test_set[i * per:(i + 1) * per]) for i in range(len(categories()))) == {per: len(categories())}
+
+
+def test_training_category_prompts_cover_the_test_categories_with_other_texts(test_set):
+    """Fine-tuning may draw from the test set's categories (not its texts): distinct, seeded, in turn."""
+    prompts = train_category_prompts(260, seed=5)
+    assert len(set(prompts)) == 260 and prompts == train_category_prompts(260, seed=5) != train_category_prompts(260, 6)
+    assert not set(prompts) & (set(test_set) | set(ORDINARY_PROMPTS))
+    by_category = [prompts[i::len(categories())] for i in range(len(categories()))]
+    assert all(len(c) == 20 for c in by_category)
+    assert any("def " in p for p in by_category[categories().index("code_python")])
+    assert any("{" in p for p in by_category[categories().index("code_c")])
+    with pytest.raises(ValueError, match="cannot make"):
+        train_category_prompts(100_000)

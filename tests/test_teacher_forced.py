@@ -108,3 +108,33 @@ def test_bad_shapes_and_prompt_lengths_are_refused(tiny_models):
         teacher_forced_logits_batch(adapter, ids, [3, 9])
     with pytest.raises(InputError, match="batch, seq"):
         teacher_forced_logits_batch(adapter, ids[0], [3])
+
+
+def test_each_row_its_own_layer_sets_is_each_row_alone(tiny_models):
+    """``row_layer_sets``: a padded batch in which every row runs its own ``E_b(t)`` gives each row the logits it
+    gets alone with that schedule (as a prompt served by itself ranks its own layers)."""
+    lm = tiny_models("gemma3")
+    arch = Engine(lm).arch
+    text = lm.tokenizer(" ".join(PROMPTS))["input_ids"]
+    rows = [text[:18], text[5:25]]
+    prompt_lens = [10, 12]
+    plans = [SkipDecode(LinearSchedule(6, 2, 6), "importance", scores).plan(6)
+             for scores in ((0.5, 0.1, 0.4, 0.2, 0.3, 0.6), (0.1, 0.6, 0.2, 0.5, 0.4, 0.3))]
+    steps = [len(row) - p for row, p in zip(rows, prompt_lens)]
+    sets = [plan.layer_sets(max(steps)) for plan in plans]
+    assert sets[0] != sets[1], "the rows must differ, or this test proves nothing"
+    width = max(map(len, rows))
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row):] = torch.tensor(row)
+        mask[r, width - len(row):] = 1
+    with torch.no_grad():
+        batch = teacher_forced_logits_batch(arch, ids, prompt_lens, attention_mask=mask, row_layer_sets=sets)
+        for r, row in enumerate(rows):
+            alone = teacher_forced_logits(arch, torch.tensor([row]), prompt_lens[r], sets[r])
+            torch.testing.assert_close(batch[r, width - len(row):], alone, rtol=1e-4, atol=1e-4)
+    with pytest.raises(InputError, match="every row its schedule"):
+        teacher_forced_logits_batch(arch, ids, prompt_lens, sets[0], attention_mask=mask, row_layer_sets=sets)
+    with pytest.raises(InputError, match="every row its schedule"):
+        teacher_forced_logits_batch(arch, ids, prompt_lens, attention_mask=mask, row_layer_sets=sets[:1])

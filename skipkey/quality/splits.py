@@ -154,3 +154,169 @@ def categories() -> tuple[str, ...]:
 
 
 test_prompts.__test__ = False  # a generator, not a pytest test
+
+
+# The train side of the same 13 categories: other templates and other words, so fine-tuning sees the kinds of
+# text the test set asks about without seeing its texts (``tests/test_splits.py`` checks every 12-word window).
+_TRAIN_CATEGORIES: dict[str, tuple[list[str], list[str], list[str]]] = {
+    "prose": ([
+        "The {a} had been empty for years, until one morning in {b}",
+        "Every summer we drove to {b}, and every summer my father insisted that",
+        "He found the {a} under the floorboards of the house in {b}.",
+        "By the time the snow reached {b}, the {a} had",
+        "Outside the bakery in {b}, an old man was feeding",
+    ], ["cottage", "photograph", "old violin", "garden shed", "music box", "map", "diary", "lantern"],
+        ["Dublin", "Valparaiso", "a mountain village", "Seville", "the coast", "Tromso", "Marrakesh", "Quebec"]),
+    "dialogue": ([
+        "Customer: I ordered {a} last week and it still has not arrived.\nAgent:",
+        "Coach: We lost because of {b}.\nPlayer:",
+        "Doctor: How long have you had {a}?\nPatient:",
+        "Interviewer: Tell me about a time you {b}.\nCandidate:",
+        "A: Did you remember to bring {a}?\nB:",
+    ], ["a blue sweater", "this cough", "the tickets", "a pair of boots", "the headaches", "the charger"],
+        ["the second half", "handled a conflict", "missed a deadline", "poor passing", "led a project",
+         "the weather"]),
+    "letters": ([
+        "Dear Mr {b},\n\nThank you for your letter of {a}. I am pleased to",
+        "Dear neighbours,\n\nAs many of you know, the {a} on our street",
+        "My dear {b},\n\nIt has been far too long since I last wrote, and",
+        "To whom it may concern,\n\nI am writing to recommend {b}, who",
+        "Dear Editor,\n\nI read your article about the {a} with great interest, but",
+    ], ["12 March", "old oak tree", "community garden", "last Tuesday", "new parking rules", "playground"],
+        ["Adebayo", "Fischer", "Costa", "Eleanor", "Samuel", "Nakamura", "Ingrid", "Patel"]),
+    "email": ([
+        "Subject: Follow-up on {a}\n\nHi {b},\n\nThanks again for",
+        "Subject: Server maintenance tonight\n\nDear {b},\n\nPlease be aware that",
+        "Subject: Draft of {a} attached\n\nHello,\n\nAttached is",
+        "Subject: Can we reschedule?\n\nHi {b},\n\nSomething came up and",
+        "Subject: Lunch on {a}?\n\nHey,\n\n",
+    ], ["the contract", "yesterday's call", "the grant proposal", "Friday", "the slides", "the launch plan"],
+        ["Amara", "Lukas", "everyone", "Sofia", "Dev team", "Mr Hughes", "Yuki", "Carlos"]),
+    "instructions": ([
+        "How to change a bicycle {a}:\nStep 1:",
+        "Before using the {b} for the first time, read these instructions carefully.",
+        "To clean a {a}, you will need warm water, a soft cloth and",
+        "Installing the {b}: unpack all the parts and check that",
+        "Follow these steps to back up your {a}:\n1.",
+    ], ["tyre", "chain", "cast iron pan", "phone", "laptop", "leather jacket", "photo library"],
+        ["pressure cooker", "ceiling fan", "espresso machine", "garden hose reel", "dishwasher", "baby monitor"]),
+    "recipes": ([
+        "Ingredients for {a}:\n- 2 cups of",
+        "This {b} is ready in twenty minutes. First, chop",
+        "Method for a classic {a}:\n1. Preheat the oven to",
+        "The trick to a good {b} is patience. Begin by",
+        "Easy weeknight {a} (serves two):\n",
+    ], ["pancakes", "tomato soup", "chocolate cake", "shepherd's pie", "lemon tart", "flatbread"],
+        ["omelette", "chickpea salad", "beef stew", "pesto pasta", "fried rice", "pumpkin soup"]),
+    "lists": ([
+        "Five habits of successful {a}:\n1.",
+        "What to pack for a week in {b}:\n-",
+        "Top tips for new {a}:\n*",
+        "Our favourite things to do in {b}:\n1.",
+        "Mistakes to avoid as a beginner {a}:\n-",
+    ], ["students", "runners", "managers", "photographers", "parents", "writers", "cooks"],
+        ["Iceland", "Japan", "the mountains", "Portugal", "Scotland", "Peru", "the desert"]),
+    "code_python": ([
+        "def {a}(items, key=None):\n",
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass {b}:\n",
+        "import csv\n\n\ndef read_{b}(filename):\n    \"\"\"",
+        "def test_{a}():\n    result =",
+        "with open('{b}.txt') as handle:\n    for line in handle:\n",
+    ], ["group_by", "flatten", "chunked", "top_n", "parse_date", "merge_dicts", "retry"],
+        ["Point", "records", "Config", "inventory", "Order", "log", "Employee"]),
+    "code_javascript": ([
+        "function {a}(list) {{\n  return list",
+        "const {b}Service = {{\n  async getAll() {{\n",
+        "// Debounce the {a} handler\nlet timer;\n",
+        "class {b}Store {{\n  constructor() {{\n",
+        "app.get('/api/{a}', async (req, res) => {{\n",
+    ], ["sumValues", "uniqueIds", "search", "resize", "orders", "users"],
+        ["Cart", "Todo", "Session", "Product", "Message", "Profile"]),
+    "code_c": ([
+        "/* Return the length of a string without strlen. */\nsize_t {a}(const char *s) {{\n",
+        "#include <stdio.h>\n\nint main(void) {{\n    FILE *f = fopen(\"{b}.txt\", \"r\");\n",
+        "typedef struct {{\n    int {a};\n",
+        "/* Binary search in a sorted array of {b}. */\nint find(const int *xs, int n, int x) {{\n",
+        "void print_{b}(const int *xs, int n) {{\n    for (int i = 0;",
+    ], ["my_strlen", "capacity", "str_length", "count", "width"],
+        ["scores", "ids", "data", "values", "ages"]),
+    "factual": ([
+        "Q: How far is {b} from the Sun?\nA:",
+        "Q: What causes {a}?\nA:",
+        "Question: Who invented {b}?\nAnswer:",
+        "Why is {a} important for the body?",
+        "What is {b}, and how is it measured?",
+    ], ["thunder", "sleep", "tides", "the seasons", "calcium", "earthquakes", "rainbows"],
+        ["Mars", "the telephone", "Jupiter", "the printing press", "humidity", "the light bulb"]),
+    "news": ([
+        "{b} - Heavy rain caused flooding across the region on Monday, and",
+        "The {a} announced its quarterly results today, reporting",
+        "Thousands gathered in {b} on Saturday to",
+        "A new study published this week suggests that {a}",
+        "{b} - The national team secured a late victory after",
+    ], ["city council", "largest bank", "airline", "regular exercise", "coffee drinkers", "tech company"],
+        ["Madrid", "Cairo", "Sydney", "Montreal", "Jakarta", "Dakar", "Helsinki"]),
+    "technical": ([
+        "A B-tree keeps its data sorted by {a}",
+        "When a process calls fork(), the operating system {a}",
+        "{b} is a caching strategy in which",
+        "The main difference between TCP and UDP is that {a}",
+        "In machine learning, {b} refers to",
+    ], ["splitting full nodes", "copies the page tables", "one guarantees delivery", "merging siblings",
+        "marks pages copy-on-write"], ["Write-through", "Overfitting", "Regularisation", "Write-back",
+                                       "Least recently used", "Gradient descent"]),
+}
+TRAIN_CATEGORIES_VERSION = 1  # bump when the training categories change, so cached training data is rebuilt
+
+# What may precede a training prompt (a heading, a scene, a file name): one more axis of variety, so a few
+# thousand distinct prompts come from the templates above without numbering them.
+_TRAIN_OPENINGS: dict[str, list[str]] = {
+    "prose": ["", "Chapter One\n\n", "Part II\n\n", "* * *\n\n", "The Visitor\n\n", "Prologue\n\n"],
+    "dialogue": ["", "Scene: a busy office.\n", "Transcript, recorded at 9:14.\n", "Scene: a small kitchen.\n",
+                 "(Phone call)\n", "Scene: the waiting room.\n"],
+    "letters": ["", "14 Elm Road\nBristol\n\n", "3 May\n\n", "Flat 2, Harbour View\n\n", "Sunday evening\n\n",
+                "PRIVATE\n\n"],
+    "email": ["", "From: office@example.org\n", "To: all-staff\n", "Priority: high\n", "Reply-To: help@example.com\n",
+              "Cc: finance\n"],
+    "instructions": ["", "Tools needed: a screwdriver.\n\n", "Difficulty: easy.\n\n", "Time: 30 minutes.\n\n",
+                     "Read this first.\n\n", "Warning: unplug the device.\n\n"],
+    "recipes": ["", "From the family cookbook:\n\n", "Prep time: 15 minutes.\n\n", "A winter favourite.\n\n",
+                "Budget friendly.\n\n", "Gluten free.\n\n"],
+    "lists": ["", "Updated for this year.\n\n", "A short guide.\n\n", "From our readers.\n\n",
+              "Print this out.\n\n", "In no particular order.\n\n"],
+    "code_python": ["", "# utils.py\n", "#!/usr/bin/env python3\n", "# -*- coding: utf-8 -*-\n",
+                    "# helpers for the report job\n", "# SPDX-License-Identifier: MIT\n"],
+    "code_javascript": ["", "'use strict';\n\n", "// utils.js\n", "/* eslint-disable no-console */\n",
+                        "// @ts-check\n", "// helpers for the dashboard\n"],
+    "code_c": ["", "/* util.c */\n", "#include <string.h>\n\n", "/* SPDX-License-Identifier: MIT */\n",
+               "#include <stdint.h>\n\n", "/* helpers for the parser */\n"],
+    "factual": ["", "Science quiz.\n\n", "Homework help.\n\n", "From the FAQ:\n\n", "Ask an expert.\n\n",
+                "General knowledge.\n\n"],
+    "news": ["", "BREAKING: ", "Updated 10:42. ", "World news. ", "Local news. ", "Business. "],
+    "technical": ["", "Lecture notes, week 4.\n\n", "Interview question.\n\n", "Glossary.\n\n",
+                  "From the design document:\n\n", "Study guide.\n\n"],
+}
+assert set(_TRAIN_CATEGORIES) == set(_CATEGORIES) == set(_TRAIN_OPENINGS)
+
+
+def train_category_prompts(count: int, seed: int = 0) -> list[str]:
+    """``count`` distinct training prompts over the test set's categories (in turn), seeded, from other
+    templates, words and openings than the test set's (about 4,000 distinct in all, at least 150 per category)."""
+    rng = random.Random(seed)
+    names = list(_TRAIN_CATEGORIES)
+    made: set[str] = set()
+    prompts: list[str] = []
+    exhausted = 0
+    while len(prompts) < count:
+        name = names[len(prompts) % len(names)]
+        templates, first, second = _TRAIN_CATEGORIES[name]
+        prompt = rng.choice(_TRAIN_OPENINGS[name]) + rng.choice(templates).format(a=rng.choice(first),
+                                                                                  b=rng.choice(second))
+        if prompt in made:
+            exhausted += 1
+            if exhausted > 100_000:
+                raise ValueError(f"the training categories cannot make {count} distinct prompts")
+            continue
+        made.add(prompt)
+        prompts.append(prompt)
+    return prompts

@@ -53,41 +53,46 @@ def _mask(layer_idx: int, window: int | None, positions: torch.Tensor, prompt_le
     return mask.repeat_interleave(num_heads // heads, dim=1) if heads > 1 else mask
 
 
-def _per_step(values: Sequence, positions: torch.Tensor, prompt_lens: torch.Tensor, outside) -> torch.Tensor:
-    """``[B, T]``: ``values[t]`` at the slot of generated position ``P + t``, ``outside`` everywhere else."""
+def _per_step(values: Sequence[Sequence], positions: torch.Tensor, prompt_lens: torch.Tensor,
+              outside) -> torch.Tensor:
+    """``[B, T]``: ``values[b][t]`` at the slot of row ``b``'s generated position ``P_b + t``, ``outside``
+    everywhere else (rows' value lists are equally long)."""
     steps = positions - prompt_lens[:, None]
-    table = torch.tensor(list(values), device=positions.device)
-    decoding = (steps >= 0) & (steps < len(table))
-    return torch.where(decoding, table[steps.clamp(0, len(table) - 1)], outside)
+    table = torch.tensor([list(row) for row in values], device=positions.device)  # [B, S]
+    decoding = (steps >= 0) & (steps < table.shape[1])
+    return torch.where(decoding, table.gather(1, steps.clamp(0, table.shape[1] - 1)), outside)
 
 
 def _runs(layer_idx: int, positions: torch.Tensor, prompt_lens: torch.Tensor,
-          layer_sets: Sequence[Sequence[int]]) -> torch.Tensor:
-    """``[B, T]``: which slots run ``layer_idx`` (prompt: all; ``P + t``: ``E(t)``; padding: none)."""
+          row_layer_sets: Sequence[Sequence[Sequence[int]]]) -> torch.Tensor:
+    """``[B, T]``: which slots run ``layer_idx`` (prompt: all; ``P + t``: the row's ``E(t)``; padding: none)."""
     runs = positions >= 0
-    if layer_sets:
-        runs &= _per_step([layer_idx in layers for layers in layer_sets], positions, prompt_lens, True)
+    if row_layer_sets:
+        flags = [[layer_idx in layers for layers in sets] for sets in row_layer_sets]
+        runs &= _per_step(flags, positions, prompt_lens, True)
     return runs
 
 
-def _skipped(positions: torch.Tensor, prompt_lens: torch.Tensor, layer_sets: Sequence[Sequence[int]],
-             num_layers: int) -> torch.Tensor:
+def _skipped(positions: torch.Tensor, prompt_lens: torch.Tensor,
+             row_layer_sets: Sequence[Sequence[Sequence[int]]], num_layers: int) -> torch.Tensor:
     """``[B, T]``: how many layers each slot's step skips (``L - len(E(t))``; 0 at the prompt and padding)."""
-    if not layer_sets:
+    if not row_layer_sets:
         return torch.zeros_like(positions)
-    return _per_step([num_layers - len(layers) for layers in layer_sets], positions, prompt_lens, 0)
+    counts = [[num_layers - len(layers) for layers in sets] for sets in row_layer_sets]
+    return _per_step(counts, positions, prompt_lens, 0)
 
 
 def _final_hidden(arch, input_ids: torch.Tensor, positions: torch.Tensor, prompt_lens: torch.Tensor,
-                  layer_sets: Sequence[Sequence[int]], kept=None, adapter_gate=None) -> torch.Tensor:
-    """Hidden states ``[B, T, H]`` after the last layer; ``positions`` is -1 at padding."""
-    skipped = None if adapter_gate is None else _skipped(positions, prompt_lens, layer_sets, arch.num_layers)
+                  row_layer_sets: Sequence[Sequence[Sequence[int]]], kept=None, adapter_gate=None) -> torch.Tensor:
+    """Hidden states ``[B, T, H]`` after the last layer; ``positions`` is -1 at padding; row ``b``'s step ``t``
+    runs ``row_layer_sets[b][t]`` (none given: every layer)."""
+    skipped = None if adapter_gate is None else _skipped(positions, prompt_lens, row_layer_sets, arch.num_layers)
     rope_pos = positions.clamp(min=0)
     hidden = arch.embed(input_ids, rope_pos)
     inputs_by_end: dict[int, list[dict]] = {}
     try:
         for idx in range(arch.num_layers):
-            runs = _runs(idx, positions, prompt_lens, layer_sets)
+            runs = _runs(idx, positions, prompt_lens, row_layer_sets)
             if not runs.any():
                 continue
             # Slots past the last one that runs this layer are never read through it: leave them out.
@@ -121,14 +126,16 @@ def teacher_forced_logits(arch, input_ids: torch.Tensor, prompt_len: int,
     """
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
     prompt_lens = torch.tensor([prompt_len], device=input_ids.device)
-    hidden = _final_hidden(arch, input_ids, positions, prompt_lens, list(layer_sets or []), kept, adapter_gate)
+    rows = [list(layer_sets)] if layer_sets else []
+    hidden = _final_hidden(arch, input_ids, positions, prompt_lens, rows, kept, adapter_gate)
     return arch.head(hidden)[0]
 
 
 def teacher_forced_logits_batch(arch, input_ids: torch.Tensor, prompt_lens: Sequence[int],
                                 layer_sets: Sequence[Sequence[int]] | None = None, *,
                                 attention_mask: torch.Tensor | None = None,
-                                logits_at: torch.Tensor | None = None, adapter_gate=None) -> torch.Tensor:
+                                logits_at: torch.Tensor | None = None, adapter_gate=None,
+                                row_layer_sets: Sequence[Sequence[Sequence[int]]] | None = None) -> torch.Tensor:
     """Logits for a padded batch ``input_ids`` ``[B, T]``, the schedule shared by the batch.
 
     ``attention_mask`` ``[B, T]`` is 1 at tokens and 0 at padding, on either side
@@ -138,7 +145,8 @@ def teacher_forced_logits_batch(arch, input_ids: torch.Tensor, prompt_lens: Sequ
     ``logits_at`` ``[B, T]`` (bool) computes the LM head only there and returns
     ``[N, V]`` in row-major order (the head is most of the cost on big
     vocabularies); by default all of ``[B, T, V]``. ``adapter_gate``: a skip-only
-    adapter's switch (module docstring).
+    adapter's switch (module docstring). ``row_layer_sets[b]`` instead gives each
+    row its own ``E_b(t)`` (as each prompt served alone ranks its own layers).
     """
     if input_ids.dim() != 2:
         raise InputError(f"input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
@@ -152,7 +160,11 @@ def teacher_forced_logits_batch(arch, input_ids: torch.Tensor, prompt_lens: Sequ
     lens = torch.as_tensor(list(prompt_lens), device=input_ids.device)
     if bool((lens < 1).any()) or bool((lens > real.sum(dim=1)).any()):
         raise InputError(f"prompt lengths {list(prompt_lens)} must be from 1 to each row's token count")
-    hidden = _final_hidden(arch, input_ids, positions, lens, list(layer_sets or []), adapter_gate=adapter_gate)
+    if row_layer_sets is not None and (layer_sets or len(row_layer_sets) != input_ids.shape[0]
+                                       or len({len(sets) for sets in row_layer_sets}) > 1):
+        raise InputError("row_layer_sets gives every row its schedule (equally long), instead of layer_sets")
+    rows = [list(s) for s in row_layer_sets] if row_layer_sets else [list(layer_sets)] * len(lens) if layer_sets else []
+    hidden = _final_hidden(arch, input_ids, positions, lens, rows, adapter_gate=adapter_gate)
     if logits_at is not None:
         return arch.head(hidden[logits_at.bool()])
     return arch.head(hidden)

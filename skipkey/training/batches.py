@@ -24,6 +24,11 @@ def batch_importance(engine: Engine, data: dict, rows: list[int]) -> tuple[float
     return engine.prompt_pass([data["prompt_ids"][r] for r in rows]).importance
 
 
+def prompt_importance(engine: Engine, data: dict, rows: list[int]) -> list[tuple[float, ...]]:
+    """Each row's layer importance from its prompt alone, as the engine ranks a prompt served by itself."""
+    return [engine.prompt_pass([data["prompt_ids"][r]]).importance for r in rows]
+
+
 def epoch_batches(prompt_lens: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
     """One epoch's batches: shuffled, then rows of similar prompt length together (less padding to run)."""
     rng = random.Random(seed * 7919 + epoch)
@@ -92,10 +97,18 @@ def draw_layer_sets(num_layers: int, cfg: FinetuneConfig, step: int,
     ranks the layers by the batch's measured ``importance``) with the shape ``shapes`` (default: the
     measured-best) holds for the target; or, on a ``full_depth_share`` of steps, 1.0 and ``None`` (every
     layer, so the KL term holds the tuned model's full-depth path on the original's)."""
+    target, rows = draw_row_layer_sets(num_layers, cfg, step, [importance], shapes)
+    return target, None if rows is None else rows[0]
+
+
+def draw_row_layer_sets(num_layers: int, cfg: FinetuneConfig, step: int, row_importance: list,
+                        shapes: dict | None = None) -> tuple[float, list[list[tuple[int, ...]]] | None]:
+    """``draw_layer_sets`` with each row's own ranking: one target and shape for the step, and per row
+    ``E_b(t)`` from ``row_importance[b]`` (``None`` entries: the policy's default order)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     low, high = cfg.targets[0], cfg.targets[-1]
     target = low if low == high else rng.uniform(low, high)
     if cfg.full_depth_share and rng.random() < cfg.full_depth_share:
         return 1.0, None
     skip = make_skipdecode(num_layers, cfg.schedule_steps, target=target, policy=cfg.skip_policy, shapes=shapes)
-    return target, skip.plan(num_layers, importance).layer_sets(cfg.schedule_steps)
+    return target, [skip.plan(num_layers, scores).layer_sets(cfg.schedule_steps) for scores in row_importance]

@@ -45,12 +45,9 @@ The steps, in order (``train`` runs them):
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import hashlib
-import json
 import math
-import os
-import shutil
 import statistics
 import sys
 import time
@@ -61,10 +58,8 @@ import torch
 import torch.nn.functional as F
 
 from skipkey.core.architectures import get_architecture
-from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
 from skipkey.errors import InputError
-from skipkey.core.embedded import cache_root
 from skipkey.core.loading import load_model, resolve_dtype
 from skipkey.skipdecode.adapter import (
     ADAPTER_FORMAT,
@@ -74,124 +69,25 @@ from skipkey.skipdecode.adapter import (
     lora_targets,
     save_adapter,
 )
-from skipkey.quality.prompts import TRAINING_PROMPTS_VERSION, TRAINING_TEXT_VERSION, training_prompts, training_text
 from skipkey.skipdecode.schedules import shapes_to_json
 from skipkey.skipdecode.plan import make_skipdecode
 from skipkey.quality.teacher_forced import teacher_forced_logits_batch
-from skipkey.training.batches import batch_importance, batch_rows, draw_layer_sets, make_batch, training_shapes
+from skipkey.training.data import PROMPT_SET_TEXT, TEACHER_TOP_K, build_dataset
+from skipkey.training.batches import (batch_importance, batch_rows, draw_row_layer_sets, make_batch,
+                                      prompt_importance, training_shapes)
 from skipkey.training.lora import (SkippingGate, add_lora, default_work_dir, init_adapter_metadata, load_adapter_weights,
                                    load_checkpoint, save_checkpoint, trainable)
 from skipkey.training.recipe import FinetuneConfig
 
 CHECKPOINT_FILE = "checkpoint.pt"
-TEACHER_TOP_K = 64  # teacher log-probs kept per position: almost all the mass, 64 x 8 bytes each
 GRAD_CLIP = 1.0
-
-
-# -- data -------------------------------------------------------------------------------
-def _data_path(loaded, cfg: FinetuneConfig) -> Path:
-    key = json.dumps([loaded.name, fingerprint(loaded.model), cfg.sequences, cfg.gen_len, cfg.seed,
-                      TEACHER_TOP_K, TRAINING_PROMPTS_VERSION, str(loaded.dtype)]
-                     + ([cfg.text_sequences, cfg.text_prompt_len, TRAINING_TEXT_VERSION] if cfg.text_sequences else []),
-                     sort_keys=True)
-    return cache_root() / "finetune" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
-
-
-def _teacher(arch, part: dict, gen_len: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full model's top-k log-probs (and their ids) at every continuation position of ``part``."""
-    logp, ids = [], []
-    for sub in range(0, len(part["prompt_ids"]), rows):  # a few rows at a time to bound memory
-        batch = make_batch(part, list(range(sub, min(sub + rows, len(part["prompt_ids"])))), gen_len)
-        with torch.inference_mode():
-            logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"],
-                                                 attention_mask=batch["attention_mask"],
-                                                 logits_at=batch["logits_at"])
-            top = torch.log_softmax(logits.float(), dim=-1).topk(TEACHER_TOP_K, dim=-1)
-        n = len(batch["prompt_lens"])
-        logp.append(top.values.view(n, gen_len, -1).cpu())
-        ids.append(top.indices.view(n, gen_len, -1).to(torch.int32).cpu())
-    return torch.cat(logp), torch.cat(ids)
-
-
-def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> dict:
-    """Training sequences and the full model's top-k log-probs on them (cached).
-
-    ``cfg.sequences`` are the full model's greedy continuations of training prompts
-    (as the evaluation's references are made); ``cfg.text_sequences`` are windows of
-    offline text (``prompts.training_text``), whose continuation is the text itself.
-    Each finished chunk of ``chunk`` sequences is kept beside the cache file until the
-    whole set is, so a build stopped part way (a long one spans sessions) resumes at
-    the first unfinished chunk; the chunks are functions of the settings alone, so the
-    result is the one an unstopped build gives.
-    """
-    path = _data_path(loaded, cfg)
-    if path.is_file():
-        log(f"data: cached {path}")
-        return torch.load(path)
-    parts_dir = path.with_suffix(".parts")
-    engine = Engine(loaded)
-    arch = engine.arch
-    settings = GenerationSettings(max_new_tokens=cfg.gen_len, ignore_eos=True)  # as the eval's references
-    prompts = training_prompts(cfg.sequences, cfg.seed) if cfg.sequences else []
-    windows = (training_text(loaded.tokenizer, cfg.text_sequences, cfg.text_prompt_len, cfg.gen_len, cfg.seed)
-               if cfg.text_sequences else [])
-
-    def continuations(first):
-        ids = engine.encode(prompts[first:first + chunk], cfg.gen_len)
-        steps = [event.tokens for event in engine.generate(ids, settings)]
-        return {"prompt_ids": ids, "continuations": torch.tensor(steps).T}
-
-    def text(first):
-        rows = windows[first:first + chunk]
-        return {"prompt_ids": [w[:cfg.text_prompt_len] for w in rows],
-                "continuations": torch.tensor([w[cfg.text_prompt_len:] for w in rows])}
-
-    jobs = ([("continuation", first, continuations) for first in range(0, len(prompts), chunk)]
-            + [("text", first, text) for first in range(0, len(windows), chunk)])
-    parts, kept = [], 0
-    for index, (source, first, make) in enumerate(jobs):
-        file = parts_dir / f"{index:05d}.pt"
-        if file.is_file():
-            parts.append(torch.load(file))
-            kept += 1
-            continue
-        if kept and len(parts) == kept:
-            log(f"data: resumed after {kept} of {len(jobs)} chunks kept in {parts_dir}")
-        parts.append(_build_part(make, first, source, arch, cfg.gen_len, file))
-        made = len(parts) - kept
-        rate = sum(p["seconds"] for p in parts[kept:]) / made
-        log(f"data: {len(parts)}/{len(jobs)} chunks ({source}s), {rate / chunk:.2f} s per sequence, "
-            f"ETA {rate * (len(jobs) - len(parts)) / 60:.1f} min")
-    data = _assemble(prompts, parts)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(data, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
-    shutil.rmtree(parts_dir, ignore_errors=True)
-    log(f"data: {len(data['sources'])} sequences in {data['seconds'] / 60:.1f} min, cached in {path}")
-    return data
-
-
-def _build_part(make, first: int, source: str, arch, gen_len: int, file: Path) -> dict:
-    """One chunk of sequences from ``first`` with the teacher's top-k, saved to ``file`` whole (renamed into place)."""
-    started = time.perf_counter()
-    part = make(first)
-    part["teacher_logp"], part["teacher_ids"] = _teacher(arch, part, gen_len)
-    part["source"], part["seconds"] = source, time.perf_counter() - started
-    file.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(part, file.with_suffix(".tmp"))
-    os.replace(file.with_suffix(".tmp"), file)
-    return part
-
-
-def _assemble(prompts: list[str], parts: list[dict]) -> dict:
-    """The data set from its chunks, in order: sequences, the teacher's top-k and where each came from."""
-    return {"prompts": prompts, "prompt_ids": [p for part in parts for p in part["prompt_ids"]],
-            "continuations": torch.cat([part["continuations"] for part in parts]).cpu(),
-            "teacher_logp": torch.cat([part["teacher_logp"] for part in parts]),
-            "teacher_ids": torch.cat([part["teacher_ids"] for part in parts]),
-            "sources": [part["source"] for part in parts for _ in part["prompt_ids"]],
-            "generation_seconds": sum(p["seconds"] for p in parts if p["source"] == "continuation"),
-            "seconds": sum(p["seconds"] for p in parts)}
+POLICY_TEXT = {  # the layer policy in the forward pass, for the adapter's metadata
+    "top": "the paper's top-layer policy in the forward pass",
+    "batch": "the importance policy in the forward pass: each batch's layers ranked by the change they make on its "
+             "prompts (skipkey.core.importance.layer_importance), as the engine ranks a batch's",
+    "prompt": "the importance policy in the forward pass: each sequence's layers ranked by the change they make on "
+              "its own prompt (skipkey.core.importance.layer_importance), as the engine ranks a prompt served alone",
+}
 
 
 def distill_kl(logq: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
@@ -207,15 +103,42 @@ def distill_kl(logq: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torc
     return (kl_top + log_rest_p.exp() * (log_rest_p - log_rest_q)).mean()
 
 
-def skipdecode_loss(arch, batch: dict, layer_sets, kl_weight: float, adapter_gate=None):
-    """(loss, LM loss, KL) of the skipping model on the batch's continuations."""
+def skipdecode_loss(arch, batch: dict, layer_sets, kl_weight: float, adapter_gate=None, *,
+                    row_layer_sets=None, teacher=None):
+    """(loss, LM loss, KL) of the skipping model on the batch's continuations.
+
+    ``row_layer_sets``: each row's own ``E_b(t)`` instead of the shared ``layer_sets``. ``teacher``: a callable
+    giving the full model's log-probs over its whole vocabulary at the batch's continuation positions (the KL is
+    then exact); by default the batch's stored top-k (``distill_kl``).
+    """
     logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"], layer_sets,
                                          attention_mask=batch["attention_mask"], logits_at=batch["logits_at"],
-                                         adapter_gate=adapter_gate)
+                                         adapter_gate=adapter_gate, row_layer_sets=row_layer_sets)
     logq = torch.log_softmax(logits.float(), dim=-1)
     lm = F.nll_loss(logq, batch["targets"])
-    kl = distill_kl(logq, batch["teacher_logp"], batch["teacher_ids"]) if kl_weight > 0 else lm.new_zeros(())
+    if kl_weight == 0:
+        kl = lm.new_zeros(())
+    elif teacher is not None:
+        kl = F.kl_div(logq, teacher(batch), log_target=True, reduction="batchmean")
+    else:
+        kl = distill_kl(logq, batch["teacher_logp"], batch["teacher_ids"])
     return lm + kl_weight * kl, lm, kl
+
+
+def full_vocab_teacher(loaded, student, peft_model):
+    """The full model's log-probs over its whole vocabulary at a batch's continuation positions, without
+    gradients: the original weights in the data's dtype (or, where the adapter wraps them, with it switched off)."""
+    if student is loaded.model:
+        arch, switch_off = get_architecture(student), peft_model.disable_adapter
+    else:
+        arch, switch_off = get_architecture(loaded.model), contextlib.nullcontext
+
+    def teacher(batch: dict) -> torch.Tensor:
+        with torch.no_grad(), switch_off():
+            logits = teacher_forced_logits_batch(arch, batch["input_ids"], batch["prompt_lens"],
+                                                 attention_mask=batch["attention_mask"], logits_at=batch["logits_at"])
+            return torch.log_softmax(logits.float(), dim=-1)
+    return teacher
 
 
 def learning_rate(step: int, cfg: FinetuneConfig) -> float:
@@ -253,6 +176,7 @@ class _Run:
     train_dtype: torch.dtype
     shapes: dict
     init: dict | None
+    teacher: object = None  # full_vocab_teacher's callable, for --kl-over full-vocab
     history: list = field(default_factory=list)
     seconds: float = 0.0
 
@@ -290,7 +214,8 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
         arch = get_architecture(student)
         params = trainable(peft_model)
         optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
-        run, start = _Run(cfg, loaded, base_fingerprint, targets, data, train_dtype, shapes, init), 0
+        teacher = full_vocab_teacher(loaded, student, peft_model) if cfg.kl_over == "full-vocab" else None
+        run, start = _Run(cfg, loaded, base_fingerprint, targets, data, train_dtype, shapes, init, teacher), 0
         if resume:
             state = load_checkpoint(ckpt, peft_model, optimizer, cfg)
             run.history, run.seconds, start = state["history"], state["seconds"], state["step"]
@@ -322,16 +247,20 @@ def _step(run: _Run, step: int, arch, optimizer, ranker: Engine | None, gate: Sk
     for group in optimizer.param_groups:
         group["lr"] = lr
     rows = batch_rows(data, step, cfg)
-    scores = None
+    row_scores = [None] * len(rows)
     if ranker is not None:  # ranked as served: a skip-only adapter never applies at the prompt
         if gate is not None:
             gate(torch.zeros(1, 1, dtype=torch.long))
-        scores = batch_importance(ranker, data, rows)
+        if cfg.importance_from == "prompt":
+            row_scores = prompt_importance(ranker, data, rows)
+        else:
+            row_scores = [batch_importance(ranker, data, rows)] * len(rows)
         if gate is not None:
             gate(None)
-    target, layer_sets = draw_layer_sets(run.loaded.num_layers, cfg, step, scores, run.shapes)
+    target, row_sets = draw_row_layer_sets(run.loaded.num_layers, cfg, step, row_scores, run.shapes)
     batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in make_batch(data, rows, cfg.gen_len).items()}
-    loss, lm, kl = skipdecode_loss(arch, batch, layer_sets, cfg.kl_weight, gate)
+    loss, lm, kl = skipdecode_loss(arch, batch, None, cfg.kl_weight, gate, row_layer_sets=row_sets,
+                                   teacher=run.teacher)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], GRAD_CLIP)
     optimizer.step()
@@ -360,9 +289,7 @@ def describe_run(run: _Run) -> dict:
         "base_model": loaded.name,
         "base_fingerprint": run.base_fingerprint,
         "method": "SkipDecode (Del Corro et al. 2023, arXiv 2307.02628) fine-tuning with LoRA adapters; "
-                  + ("the paper's top-layer policy in the forward pass" if cfg.skip_policy == "top" else
-                     "the importance policy in the forward pass: each batch's layers ranked by the change they "
-                     "make on its prompts (skipkey.core.importance.layer_importance), as the engine ranks a batch's"),
+                  + POLICY_TEXT["top" if cfg.skip_policy == "top" else cfg.importance_from],
         "schedule": {"policy": cfg.skip_policy,
                      "shapes": shapes_to_json(run.shapes),
                      **({"shapes_from": cfg.shapes_from} if cfg.shapes_from else {}),
@@ -374,14 +301,14 @@ def describe_run(run: _Run) -> dict:
         "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": 0.0, "target_modules": run.targets,
                  "applies_at": cfg.applies_at, "min_skipped": cfg.min_skipped, "saved_dtype": cfg.save_dtype},
         "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed,
-                 "continuations": {"count": cfg.sequences, "prompts": "skipkey.quality.prompts.training_prompts: topic "
-                                   "templates, code openers and Python help-text passages (pydoc_data); none held out",
+                 "continuations": {"count": cfg.sequences, "prompts": PROMPT_SET_TEXT[cfg.prompts],
                                    "text": f"the full model's greedy {cfg.gen_len} tokens (the engine, EOS ignored)"},
                  "text_windows": {"count": cfg.text_sequences, "prompt_tokens": cfg.text_prompt_len,
                                   "text": "skipkey.quality.prompts.training_text: Python's help topics and standard-library "
                                           "source, random windows"},
-                 "teacher": f"the full model ({str(loaded.dtype).replace('torch.', '')}): top-{TEACHER_TOP_K} "
-                            "log-probs at each continuation position",
+                 "teacher": f"the full model ({str(loaded.dtype).replace('torch.', '')}): "
+                            + (f"top-{TEACHER_TOP_K} log-probs at each continuation position" if cfg.kl_over == "top-k"
+                               else "its whole vocabulary's log-probs at each continuation position, every step"),
                  "minutes": round(data.get("seconds", 0) / 60, 1)},
         "training": {"steps": len(history), **({"init_adapter": run.init} if run.init else {}),
                      "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup_steps": cfg.warmup_steps,
@@ -408,9 +335,10 @@ def main(args) -> int:
     """``python -m skipkey finetune``."""
     cfg = FinetuneConfig(model=args.model, out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, rank=args.rank,
-                         alpha=args.alpha, kl_weight=args.kl_weight, targets=tuple(args.targets),
-                         skip_policy=args.skip_policy,
-                         gen_len=args.gen_len, sequences=args.sequences, text_sequences=args.text_sequences,
+                         alpha=args.alpha, kl_weight=args.kl_weight, kl_over=args.kl_over, targets=tuple(args.targets),
+                         skip_policy=args.skip_policy, importance_from=args.importance_from,
+                         gen_len=args.gen_len, sequences=args.sequences, prompts=args.prompts,
+                         text_sequences=args.text_sequences,
                          text_prompt_len=args.text_prompt_len, full_depth_share=args.full_depth_share,
                          applies_at=args.applies_at, min_skipped=args.min_skipped,
                          train_dtype=args.train_dtype, seed=args.seed, init_adapter=args.init_adapter,

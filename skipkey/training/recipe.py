@@ -13,6 +13,17 @@ from skipkey.provenance import command_line
 from skipkey.skipdecode.plan import LAYER_POLICIES
 
 
+# generic: ``prompts.training_prompts`` (topic templates, code openers, help text); categories:
+# ``splits.train_category_prompts`` (the test set's categories, other texts).
+PROMPT_SETS = ("generic", "categories")
+# top-k: KL over the teacher's stored top-k log-probs plus one bucket for the rest (a lower bound);
+# full-vocab: the full model's whole distribution, recomputed at every position of every step.
+KL_OVER = ("top-k", "full-vocab")
+# batch: the ``importance`` policy ranks a batch's layers on all its prompts (as a batched engine does);
+# prompt: each sequence's own ranking from its prompt alone (as the app and ``generate`` serve one prompt).
+IMPORTANCE_FROM = ("batch", "prompt")
+
+
 @dataclass(frozen=True)
 class FinetuneConfig:
     """Everything that defines a run; ``command`` rebuilds the CLI line from it."""
@@ -27,10 +38,13 @@ class FinetuneConfig:
     rank: int = 8
     alpha: float = 16.0
     kl_weight: float = 1.0
+    kl_over: str = "top-k"  # KL_OVER: the teacher's stored top-k (plus a bucket), or its full vocabulary online
     targets: tuple[float, ...] = (1.5, 3.0)  # one value: fixed; two: uniform range, drawn per batch
     skip_policy: str = "top"  # the layer policy in the forward pass (and the one the adapter is for)
+    importance_from: str = "batch"  # IMPORTANCE_FROM: rank layers on the batch's prompts, or on each prompt alone
     gen_len: int = 64  # continuation tokens; the schedule covers their decode steps
     sequences: int = 320  # the full model's continuations of training prompts
+    prompts: str = "generic"  # PROMPT_SETS: which training prompts those continue
     text_sequences: int = 0  # windows of offline text (help topics, stdlib source), the teacher's log-probs on them
     text_prompt_len: int = 32  # a text window's tokens before its continuation
     full_depth_share: float = 0.0  # share of batches run at full depth: keeps the tuned model's every-layer path
@@ -73,6 +87,12 @@ class FinetuneConfig:
             raise InputError("--full-depth-share trains the full-depth path, which an adapter applied only at "
                              "skipping steps leaves as the original model; use it with --applies-at every-step")
         require_int("seed", self.seed, 0, 2**31 - 1)
+        for name, value, allowed in (("prompts", self.prompts, PROMPT_SETS), ("kl_over", self.kl_over, KL_OVER),
+                                     ("importance_from", self.importance_from, IMPORTANCE_FROM)):
+            if value not in allowed:
+                raise InputError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.importance_from != "batch" and self.skip_policy != "importance":
+            raise InputError("--importance-from is for --skip-policy importance")
         if self.save_dtype not in SAVE_DTYPES:
             raise InputError(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         require_int("checkpoint_every", self.checkpoint_every, 1, 1_000_000)
