@@ -1,12 +1,13 @@
 """The retrieval tasks: seeded, balanced over families and depths, the needle and question in place."""
 
+import hashlib
 import re
 from collections import Counter
 
 import pytest
 
 from skipkey.errors import InputError
-from skipkey.quality.prompts import RETRIEVAL_FAMILIES, retrieval_tasks, retrieved
+from skipkey.quality.retrieval import RETRIEVAL_FAMILIES, retrieval_tasks, retrieved
 from skipkey.core.tiny import byte_tokenizer
 
 
@@ -73,6 +74,35 @@ def test_the_filler_is_varied_text_not_one_repeated_sentence(tasks):
     sentences = re.split(r"(?<=[.!?])\s+", tasks[0].prompt)
     assert len(set(sentences)) > 0.9 * len(sentences) > 20
     assert tasks[0].prompt.split("\n\n")[1][:200] != tasks[1].prompt.split("\n\n")[1][:200]
+
+
+def digest(tasks):
+    """A short hash of the tasks' families, answers and prompts: what a benchmark run asks."""
+    text = "\n".join(f"{t.family}\x00{t.answer}\x00{t.prompt}" for t in tasks)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+# The tasks the suite made before the table family (commit 419da51), hashed by ``digest``: the three
+# families given explicitly must still make them, or a result on the old suite could not be reproduced.
+BEFORE_TABLE = {(512, 6, 0): "8d013572f86f032f", (3000, 12, 5): "e5cf886cea9a25a1", (1024, 7, 3): "946cc467701d0cc9"}
+BEFORE_TABLE_GEMMA = {(512, 6, 0): "34a69cda4a2fe74b", (1024, 6, 0): "89714ca1b484d35d"}
+
+
+@pytest.mark.parametrize("length, count, seed", sorted(BEFORE_TABLE))
+def test_the_three_original_families_make_exactly_the_tasks_they_made_before(tokenizer, length, count, seed):
+    tasks = retrieval_tasks(tokenizer, length, count, seed=seed)
+    assert digest(tasks) == BEFORE_TABLE[length, count, seed]
+
+
+@pytest.mark.embedded
+def test_the_three_original_families_make_the_same_tasks_with_the_embedded_models_tokenizer():
+    from transformers import AutoTokenizer
+
+    from skipkey.core.embedded import embedded_model_dir
+
+    gemma = AutoTokenizer.from_pretrained(embedded_model_dir(progress=False))
+    for (length, count, seed), expected in BEFORE_TABLE_GEMMA.items():
+        assert digest(retrieval_tasks(gemma, length, count, seed=seed)) == expected, (length, count, seed)
 
 
 def test_a_prompt_too_short_for_filler_is_refused(tokenizer):

@@ -10,7 +10,7 @@
   accuracy per policy, budget and length with 95% Wilson intervals, against the
   full model's. Each task's prompt runs once and every config decodes from it.
 
-The prompts, tasks and long text come from ``skipkey.quality.prompts``.
+The prompts and long text come from ``skipkey.quality.prompts``, the tasks from ``skipkey.quality.retrieval``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from skipkey.kv.policies import format_policy_spec, make_kv_policy, parse_policy
 from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
 from skipkey.quality.metrics import agreement, rouge_l
 from skipkey.models import load
-from skipkey.quality.prompts import (ORDINARY_PROMPTS, RETRIEVAL_FAMILIES, RETRIEVAL_NEW_TOKENS, document_prompts,
-                             long_text_ids, retrieval_tasks, retrieved)
+from skipkey.quality.prompts import ORDINARY_PROMPTS, document_prompts, long_text_ids
+from skipkey.quality.retrieval import RETRIEVAL_FAMILIES, RETRIEVAL_NEW_TOKENS, retrieval_tasks, retrieved
 from skipkey.provenance import command_line, machine_description
 from skipkey.skipdecode.plan import make_skipdecode
 from skipkey.core.trace import Trace
