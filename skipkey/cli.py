@@ -15,6 +15,7 @@ from pathlib import Path
 from skipkey.config import GenerationSettings, decode_steps, require_int
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv.policies import KV_POLICIES
+from skipkey.quality.retrieval import RETRIEVAL_FAMILIES
 from skipkey.options import (add_adapter_arg, add_exact_args, check_exact_early, exact_from, add_generation_args, add_method_args, add_model_args,
                              add_placement_args, adapter_schedule_from, check_methods_early, kv_policy_from,
                              methods_from, placement_from, settings_from)
@@ -294,8 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retrieval-lengths", type=int, nargs="*", default=[1024, 2048, 4096],
                    help="prompt lengths for the retrieval test; none (the flag alone) skips it")
     p.add_argument("--retrieval-tasks", "--retrieval-samples", type=int, default=24,
-                   help="retrieval tasks per length: pass key, key-value and name facts in turn, at depths "
-                        "spread over 10-90%% of the prompt")
+                   help="retrieval tasks per length: the --retrieval-families in turn, at depths spread over "
+                        "10-90%% of the prompt")
+    p.add_argument("--retrieval-families", nargs="+", choices=RETRIEVAL_FAMILIES, default=list(RETRIEVAL_FAMILIES),
+                   metavar="FAMILY",
+                   help="which retrieval tasks take turns (default: all): passkey (a pass key), kv (one code among "
+                        "many), name (a person's name), table (a number in a table of towns); passkey kv name "
+                        "makes the tasks of the suite before the table family, seed for seed")
     p.add_argument("--retrieval-seed", type=int, default=0,
                    help="seeds the retrieval tasks (keep one seed for tuning options, another for the benchmark)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75])

@@ -203,6 +203,7 @@ def test_kv_eval_retrieval_takes_policy_specs_writes_rows_tasks_figure_and_resum
     result = json.loads(out_file.read_text())
     assert result["complete"] and "kv_agreement" not in result and "kv_long_text" not in result
     assert result["kv_retrieval_settings"]["retrieval_seed"] == 7 and result["machine"]
+    assert result["kv_retrieval_settings"]["families"] == ["passkey", "kv", "name", "table"]
     rows = {row["label"]: row for row in result["kv_retrieval"]}
     assert set(rows) == {"full", "h2o 50%", "keyformer:observe=16,pool=3 50%"}
     row = rows["keyformer:observe=16,pool=3 50%"]
@@ -218,6 +219,8 @@ def test_kv_eval_retrieval_takes_policy_specs_writes_rows_tasks_figure_and_resum
     assert json.loads(out_file.read_text())["resumed"] == [result["command"]]
     code, _, err = run_cli(capsys, *[a if a != "7" else "8" for a in argv], "--resume")
     assert code == 2 and "another retrieval_seed" in err
+    code, _, err = run_cli(capsys, *argv, "--retrieval-families", "passkey", "kv", "name", "--resume")
+    assert code == 2 and "another families" in err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -226,6 +229,7 @@ def test_kv_eval_retrieval_takes_policy_specs_writes_rows_tasks_figure_and_resum
     (["--kv-policies", "h2o", "h2o:"], "twice"),
     (["--resume"], "--resume continues the results in --output"),
     (["--figure", "f.png", "--kv-parts", "agreement"], "--figure draws the KV retrieval accuracy"),
+    (["--retrieval-families", "kv", "kv"], "retrieval families are one or more of passkey, kv, name, table"),
 ])
 def test_kv_eval_refuses_bad_options_before_loading_a_model(capsys, argv, message):
     code, _, err = run_cli(capsys, "eval", "--model", "no/such-model-anywhere", "--suite", "kv", *argv)

@@ -1,6 +1,7 @@
 """The retrieval benchmark: Wilson intervals, one shared prompt pass per task, rows, table, figure, resuming."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -8,6 +9,7 @@ from skipkey.quality import evaluate
 from skipkey.errors import InputError
 from skipkey.quality.evaluate import EvalConfig, RetrievalSet, kv_configs, retrieval
 from skipkey.quality.report import accuracy_figure, retrieval_rows, retrieval_table, wilson_interval
+from skipkey.quality.retrieval import RETRIEVAL_FAMILIES
 
 
 @pytest.mark.parametrize("hits, n, low, high", [
@@ -87,6 +89,28 @@ def test_resuming_runs_only_what_is_missing(tiny_gemma, shared_records, monkeypa
     ran.clear()  # a task whose prompt changed (another seed) runs again in full
     retrieval(tiny_gemma, configs[:2], RetrievalSet((640,), 1, 1), lambda msg: None, done=shared)
     assert ran == [c.label for c in configs[:2]]
+
+
+def test_a_task_set_runs_only_its_families(tiny_gemma):
+    records = retrieval(tiny_gemma, [EvalConfig("full")], RetrievalSet((640,), 2, 0, ("table",)), lambda msg: None)
+    assert [r["family"] for r in records] == ["table", "table"]
+    assert all(len(r["answer"]) == 4 and r["answer"].isdigit() and r["prompt_tokens"] <= 640 for r in records)
+
+
+def test_a_resume_with_other_families_is_refused_not_mixed(tmp_path):
+    """Families take turns, so other families put other tasks at the same indices: never one file."""
+    out = tmp_path / "retrieval.json"
+    settings = dict(model="m", dtype="torch.float32", seed=0, retrieval_seed=0, families=["passkey", "kv", "name"])
+    out.write_text(json.dumps({"command": "python -m skipkey eval", "kv_retrieval_settings": settings,
+                               "kv_retrieval_tasks": [dict(length=1024, index=0)]}))
+    args = SimpleNamespace(output=str(out), resume=True)
+    records, commands = evaluate._earlier_retrieval(args, dict(settings), lambda msg: None)
+    assert records == [dict(length=1024, index=0)] and commands == ["python -m skipkey eval"]
+    with pytest.raises(InputError, match=r"another families \(families=\['passkey', 'kv', 'name'\]\); use another "
+                                         r"--output \(or --retrieval-families passkey kv name to continue it\)"):
+        evaluate._earlier_retrieval(args, {**settings, "families": list(RETRIEVAL_FAMILIES)}, lambda msg: None)
+    with pytest.raises(InputError, match=r"another retrieval_seed, families \("):
+        evaluate._earlier_retrieval(args, {**settings, "retrieval_seed": 1, "families": ["table"]}, lambda msg: None)
 
 
 def fake_records():

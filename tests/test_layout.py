@@ -17,7 +17,7 @@ PACKAGE = ROOT / "skipkey"
 # Bottom to top, in the order data flows (docs/architecture.md's module table follows it).
 # A module may import only the modules listed before it.
 LAYERS = (
-    "errors", "__init__", "config", "provenance", "quality.prompts", "quality.splits", "core.offload", "core.embedded",
+    "errors", "__init__", "config", "provenance", "quality.prompts", "quality.retrieval", "quality.splits", "core.offload", "core.embedded",
     "core.loading", "core.random_models", "core.tiny", "core.kernels", "core.attention", "core.cache",
     "core.architectures", "core.importance", "core.retention", "core.engine", "core.trace", "kv.noise",
     "kv.scoring", "kv.budgets", "kv.policies", "skipdecode.schedules", "skipdecode.rankings", "skipdecode.plan", "skipdecode.exact",

@@ -5,12 +5,13 @@
 * perplexity: teacher-forced through the real cached decode (eviction and
   skipping included) — of the full model's own continuations (SkipDecode), and
   of long real text (KV policies);
-* retrieval: a fact (a pass key, one code among many, a person's name) hidden at
-  a varied depth of a long filler prompt and asked for at its end (KV policies);
+* retrieval: a fact (a pass key, one code among many, a person's name, a number
+  in a table) hidden at a varied depth of a long filler prompt and asked for at
+  its end (KV policies);
   accuracy per policy, budget and length with 95% Wilson intervals, against the
   full model's. Each task's prompt runs once and every config decodes from it.
 
-The prompts, tasks and long text come from ``skipkey.quality.prompts``.
+The prompts and long text come from ``skipkey.quality.prompts``, the tasks from ``skipkey.quality.retrieval``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from skipkey.kv.policies import format_policy_spec, make_kv_policy, parse_policy
 from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
 from skipkey.quality.metrics import agreement, rouge_l
 from skipkey.models import load
-from skipkey.quality.prompts import (ORDINARY_PROMPTS, RETRIEVAL_FAMILIES, RETRIEVAL_NEW_TOKENS, document_prompts,
-                             long_text_ids, retrieval_tasks, retrieved)
+from skipkey.quality.prompts import ORDINARY_PROMPTS, document_prompts, long_text_ids
+from skipkey.quality.retrieval import (RETRIEVAL_FAMILIES, RETRIEVAL_NEW_TOKENS, retrieval_families, retrieval_tasks,
+                                       retrieved)
 from skipkey.provenance import command_line, machine_description
 from skipkey.skipdecode.plan import make_skipdecode
 from skipkey.core.trace import Trace
@@ -106,11 +108,13 @@ def _digest(text: str) -> str:
 
 @dataclass(frozen=True)
 class RetrievalSet:
-    """The retrieval benchmark's tasks: ``count`` tasks at each prompt length, drawn with ``seed``."""
+    """The retrieval benchmark's tasks: ``count`` tasks at each prompt length, drawn with ``seed``, the
+    ``families`` in turn."""
 
     lengths: tuple[int, ...]
     count: int
     seed: int = 0
+    families: tuple[str, ...] = RETRIEVAL_FAMILIES
 
 
 def retrieval(loaded, configs: list[EvalConfig], task_set: RetrievalSet, log, *, done: list[dict] = (), save=None,
@@ -126,7 +130,7 @@ def retrieval(loaded, configs: list[EvalConfig], task_set: RetrievalSet, log, *,
     earlier = {(r["length"], r["index"]): r for r in done}
     records: list[dict] = []
     for length in task_set.lengths:
-        tasks = retrieval_tasks(loaded.tokenizer, length, task_set.count, task_set.seed)
+        tasks = retrieval_tasks(loaded.tokenizer, length, task_set.count, task_set.seed, task_set.families)
         log(f"## retrieval at {length} tokens: {len(tasks)} tasks x {len(configs)} configs")
         started, ran = time.perf_counter(), 0
         for index, task in enumerate(tasks):
@@ -242,6 +246,8 @@ def _check_before_loading(args) -> None:
         kv_configs(1, args.kv_policies, args.budgets, args.seed, 1, combined=False)  # policy specs and budgets
     if retrieval_asked and (args.retrieval_tasks < 1 or min(args.retrieval_lengths) < 64):
         raise InputError("retrieval needs at least 1 task per length and lengths of at least 64 tokens")
+    if retrieval_asked:
+        retrieval_families(args.retrieval_families)
 
 
 def _earlier_retrieval(args, settings: dict, log) -> tuple[list[dict], list[str]]:
@@ -253,10 +259,13 @@ def _earlier_retrieval(args, settings: dict, log) -> tuple[list[dict], list[str]
         return [], []
     earlier = json.loads(path.read_text())
     theirs = earlier.get("kv_retrieval_settings") or {}
-    differ = [k for k in ("model", "dtype", "seed", "retrieval_seed") if theirs.get(k) != settings[k]]
+    # Other families make other tasks at the same indices (they take turns): never mixed in one file.
+    differ = [k for k in ("model", "dtype", "seed", "retrieval_seed", "families") if theirs.get(k) != settings[k]]
     if differ:
+        hint = (f" (or --retrieval-families {' '.join(theirs['families'])} to continue it)"
+                if differ == ["families"] and theirs.get("families") else "")
         raise InputError(f"{path} holds results with another {', '.join(differ)} "
-                         f"({', '.join(f'{k}={theirs.get(k)}' for k in differ)}); use another --output")
+                         f"({', '.join(f'{k}={theirs.get(k)}' for k in differ)}); use another --output{hint}")
     records = earlier.get("kv_retrieval_tasks", [])
     log(f"resuming {path}: {len(records)} tasks done earlier")
     return records, [*earlier.get("resumed", []), earlier["command"]]
@@ -268,10 +277,11 @@ def _kv_suite(args, loaded, result: dict, log) -> None:
     if args.retrieval_lengths and "retrieval" in args.kv_parts:
         configs = kv_configs(loaded.num_layers, args.kv_policies, args.budgets, args.seed,
                              max(RETRIEVAL_NEW_TOKENS.values()), not args.no_combined)
+        families = retrieval_families(args.retrieval_families)
         settings = dict(model=loaded.name, dtype=str(loaded.dtype), seed=args.seed,
                         retrieval_seed=args.retrieval_seed, lengths=args.retrieval_lengths,
-                        tasks=args.retrieval_tasks, families=list(RETRIEVAL_FAMILIES),
-                        new_tokens=RETRIEVAL_NEW_TOKENS, shared_prompt_pass=True)
+                        tasks=args.retrieval_tasks, families=list(families),
+                        new_tokens={f: RETRIEVAL_NEW_TOKENS[f] for f in families}, shared_prompt_pass=True)
         earlier, commands = _earlier_retrieval(args, settings, log)
         result.update(kv_retrieval_settings=settings, complete=False, **({"resumed": commands} if commands else {}))
 
@@ -280,7 +290,7 @@ def _kv_suite(args, loaded, result: dict, log) -> None:
             result["kv_retrieval_tasks"] = records
             write_json(args.output, result)
 
-        task_set = RetrievalSet(tuple(args.retrieval_lengths), args.retrieval_tasks, args.retrieval_seed)
+        task_set = RetrievalSet(tuple(args.retrieval_lengths), args.retrieval_tasks, args.retrieval_seed, families)
         records = retrieval(loaded, configs, task_set, log, done=earlier, save=save if args.output else None)
         result["kv_retrieval"] = retrieval_rows(records, configs)
         result["kv_retrieval_tasks"] = records

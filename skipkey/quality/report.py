@@ -10,7 +10,7 @@ import math
 import shutil
 from pathlib import Path
 
-from skipkey.quality.prompts import RETRIEVAL_FAMILIES
+from skipkey.quality.retrieval import RETRIEVAL_FAMILIES
 
 
 def wilson_interval(hits: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
