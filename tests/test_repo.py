@@ -56,18 +56,27 @@ def test_the_committed_adapter_is_small_and_says_how_it_was_made():
     meta = read_metadata(directory)
     assert meta["base_model"] == "embedded" and meta["schedule"]["targets"] == [1.25, 3.0]
     assert meta["schedule"]["policy"] == "importance" and meta["schedule"]["shapes"]["importance"]
-    assert meta["training"]["steps"] == 480 and meta["data"]["sequences"] >= 1000 and meta["date"]
-    # Warm-started from the adapter before it (i: 480 steps on 2,240 fresh sequences), whose command docs/results
-    # quotes too, at the shapes a study measured best for f, where the chain began.
+    assert meta["training"]["steps"] >= 300 and meta["data"]["sequences"] >= 1000 and meta["date"]
+    # Warm-started from the adapter before it (j: 480 steps), whose command docs/results quotes too.
     start = meta["training"]["init_adapter"]
-    assert start["steps"] == 480 and start["command"] in results_documents()
+    assert start["steps"] >= 300 and start["command"] in results_documents()
     assert meta["schedule"]["shapes_from"] and meta["schedule"]["shapes"]["importance"][0][1]["hold"] > 0
     assert meta["lora"]["applies_at"] == "skipping-steps"  # the prompt pass and full depth stay the original
     assert meta["command"].startswith("python -m skipkey finetune --model embedded --out ")
     assert meta["command"] in results_documents(), "docs/results quotes the command that made it"
-    # Served with its own shape study's winners, whose command docs/results quotes as well.
-    assert meta["schedule"]["serving_shapes"]["importance"]
-    assert meta["schedule"]["serving_shapes_from"]["command"] in results_documents()
+    # Trained as served (#36): the exact KL over the full vocabulary, each prompt ranked alone, prompts from the
+    # test set's categories (other texts).
+    for flag in ("--kl-over full-vocab", "--importance-from prompt", "--prompts categories"):
+        assert flag in meta["command"], flag
+    # Served at the shapes a shape study measured best: either recorded on this adapter by its own study, or the
+    # shapes it was trained at, taken from its predecessor's study (whose command docs/results quotes).
+    schedule = meta["schedule"]
+    if "serving_shapes" in schedule:
+        assert schedule["serving_shapes_from"]["command"] in results_documents()
+    else:
+        assert "--shapes-from" in meta["command"]
+        assert "python -m skipkey shapes --targets 1.5 2 3 --policies --adapter assets/skipdecode-lora" \
+            in results_documents()
 
 
 SCRIPT_SUFFIXES = {".py", ".sh", ".ipynb"}
