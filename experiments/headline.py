@@ -136,7 +136,7 @@ ROWS = (
     ExactRow("Exact SkipDecode (2x draft, k = 3, 32k-token draft head; the app's exact preset)",
              "exact (verified), k = 3, 32768-token draft head"),
     KVRow("Keyformer 50% of the prompt, query-aware (`observe=8,pool=7`)", "keyformer:observe=8,pool=7",
-          "keyformer (50% of prompt, recent 30%, observe 8, pool 7)", evaluation="eval_kv_retrieval_test30.json"),
+          "keyformer (50% of prompt, recent 30%, observe 8, pool 7)", evaluation="eval_kv_retrieval_test30_table.json"),
 )
 
 
