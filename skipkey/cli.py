@@ -16,7 +16,7 @@ from skipkey.config import GenerationSettings, decode_steps, require_int
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv.policies import KV_POLICIES
 from skipkey.quality.retrieval import RETRIEVAL_FAMILIES
-from skipkey.options import (add_adapter_arg, add_exact_args, check_exact_early, exact_from, add_generation_args, add_method_args, add_model_args,
+from skipkey.options import (add_adapter_arg, add_exact_args, check_exact_early, exact_from, exact_specs, add_generation_args, add_method_args, add_model_args,
                              add_placement_args, adapter_schedule_from, check_methods_early, kv_policy_from,
                              methods_from, placement_from, settings_from)
 from skipkey.skipdecode.adapter import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS
@@ -172,9 +172,7 @@ def bench_exact(args, settings: GenerationSettings) -> int:
     if args.acceptance_prompts:
         return acceptance_study(args, settings, loaded, tuned)
     drafting = tuned or loaded
-    specs = [exact_from(args, k, vocab, 0.0) for vocab in args.draft_vocab for k in args.draft_k]
-    if args.draft_adaptive:
-        specs += [exact_from(args, max(args.draft_k), vocab) for vocab in args.draft_vocab]
+    specs = exact_specs(args)
     drafts = [(f"{skip.describe()}{' (tuned)' if tuned else ''}: {spec.describe()}",
                Engine(drafting, skip=skip, kv=kv, exact=spec)) for spec in specs]
     full = Engine(loaded)
@@ -212,7 +210,7 @@ def acceptance_study(args, settings: GenerationSettings, loaded, tuned) -> int:
     models = [(loaded, "")] + ([(tuned, " (tuned)")] if tuned is not None else [])
     drafts = [(f"{skip.describe()}{suffix}: {spec.describe()}", Engine(lm, skip=skip, exact=spec))
               for skip in skips for lm, suffix in models
-              for spec in [exact_from(args, k, vocab, 0.0) for vocab in args.draft_vocab for k in args.draft_k]]
+              for spec in exact_specs(args)]
     print(f"# {loaded.name}: acceptance on {count} held-out prompts, {settings.max_new_tokens} new tokens",
           file=sys.stderr)
     rows = exact_acceptance(drafts, prompts, settings, log=lambda msg: print(msg, file=sys.stderr))

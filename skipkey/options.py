@@ -13,7 +13,9 @@ from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps,
 from skipkey.errors import InputError
 from skipkey.kv.policies import KV_POLICIES, KVSpec, parse_budget, parse_policy_spec, policy_options
 from skipkey.quality.prompts import ORDINARY_PROMPTS
-from skipkey.skipdecode.exact import DEFAULT_DRAFT_VOCAB, DRAFT_K_CAP, ExactDecoding
+from skipkey.skipdecode.draft_vocab import DEFAULT_DRAFT_VOCAB
+from skipkey.skipdecode.drafting import PACES
+from skipkey.skipdecode.exact import DRAFT_K_CAP, ExactDecoding
 from skipkey.skipdecode.plan import LAYER_POLICIES, SkipDecodeSpec
 from skipkey.skipdecode.schedules import SCHEDULE_KINDS
 
@@ -165,15 +167,18 @@ def add_exact_args(p: argparse.ArgumentParser, bench: bool = False):
                    help="greedy output equal to the full model's; SkipDecode options choose the draft (default "
                         "--skip-target 2), --adapter its weights; refused with sampling and KV eviction")
     many = dict(nargs="+") if bench else {}
-    g.add_argument("--draft-k", type=int, default=[2, 3, 4, 6, 8] if bench else 3, **many,
-                   help=f"tokens drafted per verify step, 1..{DRAFT_K_CAP} (adaptive: the most)")
+    g.add_argument("--draft-k", type=int, default=[2, 3, 4, 6] if bench else ExactDecoding.draft_k, **many,
+                   help=f"the most tokens the SkipDecode model drafts per verify step, 1..{DRAFT_K_CAP}")
     g.add_argument("--draft-vocab", type=int, default=[0, DEFAULT_DRAFT_VOCAB] if bench else None, **many,
                    help=f"draft head rows: the N most frequent tokens (0 = the full head; default: {DEFAULT_DRAFT_VOCAB}, "
                         "the fastest measured on the embedded model, where the model has more tokens, else the full "
                         "head); verification always uses the full head")
-    g.add_argument("--draft-adaptive", type=float, default=0.0, metavar="P",
-                   help="adaptive k: stop drafting below this draft probability and back off after rejected "
-                        "drafts (0 = fixed k)" + ("; bench adds one adaptive run per draft vocab" if bench else ""))
+    g.add_argument("--draft-pace", choices=list(PACES), default=[ExactDecoding.pace] if bench else ExactDecoding.pace,
+                   **many, help="measured (default): draft only what the measured costs and acceptance say pays, a "
+                                "plain full step where nothing does; fixed: draft --draft-k tokens every cycle")
+    g.add_argument("--prompt-lookup", choices=["on", "off"], default=["on"] if bench else "on", **many,
+                   help="also propose the continuation of an earlier occurrence of the last tokens (prompt lookup: "
+                        "free to draft); on by default")
     if bench:
         g.add_argument("--assume-acceptance", type=float, default=None, metavar="A",
                        help="predict with this acceptance (e.g. the embedded model's) instead of the measured "
@@ -184,13 +189,20 @@ def add_exact_args(p: argparse.ArgumentParser, bench: bool = False):
                             "with and without --adapter")
 
 
-def exact_from(args, draft_k: int | None = None, draft_vocab: int | None = None, adaptive: float | None = None):
-    """The ``ExactDecoding`` the options describe (None without ``--exact``)."""
+def exact_from(args, draft_k: int | None = None, draft_vocab: int | None = None, pace: str | None = None,
+               lookup: str | None = None):
+    """The ``ExactDecoding`` the options describe (None without ``--exact``); bench passes each combination."""
     if not args.exact:
         return None
-    return ExactDecoding(args.draft_k if draft_k is None else draft_k,
-                         adaptive=args.draft_adaptive if adaptive is None else adaptive,
+    return ExactDecoding(args.draft_k if draft_k is None else draft_k, pace=args.draft_pace if pace is None else pace,
+                         lookup=(args.prompt_lookup if lookup is None else lookup) == "on",
                          draft_vocab=args.draft_vocab if draft_vocab is None else draft_vocab)
+
+
+def exact_specs(args) -> list:
+    """Every combination ``bench --exact`` runs: each draft k, draft vocab, pace and lookup setting."""
+    return [exact_from(args, k, vocab, pace, lookup) for vocab in args.draft_vocab for pace in args.draft_pace
+            for lookup in args.prompt_lookup for k in args.draft_k]
 
 
 def check_exact_early(args):
@@ -199,9 +211,10 @@ def check_exact_early(args):
         return
     if getattr(args, "sample", False):
         raise InputError("--exact is greedy only: drop --sample (or drop --exact)")
-    for k in args.draft_k if isinstance(args.draft_k, list) else [args.draft_k]:
-        for vocab in args.draft_vocab if isinstance(args.draft_vocab, list) else [args.draft_vocab]:
-            exact_from(args, k, vocab)
+    if isinstance(args.draft_k, list):
+        exact_specs(args)
+    else:
+        exact_from(args)
     if getattr(args, "assume_acceptance", None) is not None:
         require_float("--assume-acceptance", args.assume_acceptance, 0.0, 1.0)
     if not skip_requested(args):

@@ -15,21 +15,13 @@ from skipkey.core.trace import Trace
 from skipkey.errors import InputError
 from skipkey.kv.policies import make_kv_policy
 from skipkey.quality.metrics import acceptance
-from skipkey.skipdecode.exact import (
-    DRAFT_K_CAP,
-    MAX_PAUSE,
-    DraftHead,
-    DraftLength,
-    ExactDecoding,
-    accepted_prefix,
-    shipped_ranking,
-    token_ranking,
-    write_ranking,
-)
+from skipkey.skipdecode.draft_vocab import shipped_ranking, token_ranking, write_ranking
+from skipkey.skipdecode.exact import DRAFT_K_CAP, LOOKUP_CAP, DraftHead, ExactDecoding, accepted_prefix
 from skipkey.skipdecode.plan import make_skipdecode
 
 LONG = PROMPTS[2]  # longer than the tiny models' 8-token sliding window
-SETTINGS = (ExactDecoding(3), ExactDecoding(6, adaptive=0.3), ExactDecoding(2, draft_vocab=64))
+SETTINGS = (ExactDecoding(3, pace="fixed", lookup=False), ExactDecoding(6),
+            ExactDecoding(2, pace="fixed", draft_vocab=64))
 
 
 def greedy(lm, ids: list[int], n: int) -> list[int]:
@@ -68,7 +60,7 @@ def test_exact_output_is_generates_on_every_family(tiny_models, family, exact):
     trace = exact_trace(lm, [LONG], exact, 40)
     assert trace.tokens() == greedy(lm, ids, 40)
     drafted = [e.drafted for e in trace.events if e.drafted is not None]
-    assert sum(drafted) > 0 and max(drafted) <= exact.draft_k
+    assert sum(drafted) > 0 and max(drafted) <= max(exact.draft_k, LOOKUP_CAP if exact.lookup else 0)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
@@ -85,7 +77,7 @@ def test_exact_without_a_plan_and_with_the_importance_policy(tiny_models, family
 def test_a_full_depth_draft_is_always_accepted(tiny_models):
     """Without a plan and with the full head the draft is the full model: every drafted token agrees."""
     with never_ending(tiny_models("llama")) as lm:
-        trace = exact_trace(lm, [LONG], ExactDecoding(4), 30, skip=None)
+        trace = exact_trace(lm, [LONG], ExactDecoding(4, pace="fixed", lookup=False), 30, skip=None)
     rate = acceptance(trace)
     assert rate.acceptance == 1.0
     assert rate.tokens_per_verify_step > 4.0  # 5 per full cycle; the last cycle is cut to the token count
@@ -114,7 +106,7 @@ def test_the_tuned_adapter_drafts_and_the_original_model_verifies(tiny_app_model
     assert tuned.full_depth is tiny_app_model.model
     ids = tiny_app_model.tokenizer(LONG)["input_ids"]
     skip = make_skipdecode(tuned.num_layers, 29, target=2.0)
-    for exact in (ExactDecoding(3), ExactDecoding(5, adaptive=0.2, draft_vocab=80)):
+    for exact in (ExactDecoding(3), ExactDecoding(5, draft_vocab=80)):
         trace = exact_trace(tuned, [LONG], exact, 30, skip=skip)
         assert trace.tokens() == greedy(tiny_app_model, ids, 30)
 
@@ -181,48 +173,30 @@ def test_accepted_prefix_counts_leading_agreement_only():
     assert accepted_prefix(drafted[:, :0], greedy_[:, :0]).tolist() == [0, 0, 0]
 
 
-def test_adaptive_length_grows_shrinks_and_backs_off():
-    length = DraftLength(4, adaptive=True)
-    assert length.next() == 4
-    length.update(4, 2)
-    assert length.next() == 3
-    length.update(3, 3)
-    assert length.next() == 4
-    waits = []
-    for _ in range(7):  # every probe rejected: drafting pauses for 1, 2, 4, ... plain steps, at most MAX_PAUSE
-        length.update(length.next(), 0)
-        plain = 0
-        while length.next() == 0:
-            plain += 1
-        waits.append(plain)
-    assert waits[:5] == [1, 2, 4, 8, 16] and max(waits) == MAX_PAUSE
-    fixed = DraftLength(3, adaptive=False)
-    fixed.update(3, 0)
-    assert fixed.next() == 3
-
-
 def test_the_reduced_head_over_every_token_is_the_full_head(tiny_models):
     lm = tiny_models("gemma3")
     engine = Engine(lm)
     hidden = torch.randn(3, lm.model.config.hidden_size)
     vocab = lm.model.lm_head.weight.shape[0]
-    full, _ = DraftHead(None, "cpu")(engine.arch, hidden, want_confidence=False)
-    every, p = DraftHead(torch.arange(vocab), "cpu")(engine.arch, hidden, want_confidence=True)
+    full, p_full = DraftHead(None, "cpu")(engine.arch, hidden)
+    every, p = DraftHead(torch.arange(vocab), "cpu")(engine.arch, hidden)
     assert torch.equal(full, every) and ((p > 0) & (p <= 1)).all()
+    torch.testing.assert_close(p, p_full)  # the reduced head caps its logits as the model's head does
     some = torch.tensor([3, 10, 50, 200])
-    token, _ = DraftHead(some, "cpu")(engine.arch, hidden, want_confidence=False)
+    token, _ = DraftHead(some, "cpu")(engine.arch, hidden)
     assert set(token.tolist()) <= set(some.tolist())
 
 
 def test_the_ranking_file_serves_its_own_tokenizer_only(tiny_models, tmp_path):
     lm = tiny_models("llama")
     vocab = lm.model.lm_head.weight.shape[0]
-    record = write_ranking(tmp_path / "draft_vocab.json", lm.tokenizer, vocab, keep=50)
+    assert token_ranking(lm.tokenizer, vocab) == list(range(vocab))  # no file for this tokenizer: id order
+    counts = [0] * vocab
+    counts[42], counts[7], counts[100] = 9, 5, 5
+    record = write_ranking(tmp_path / "draft_vocab.json", lm.tokenizer, vocab, counts, keep=50,
+                           counted_on={"what": "a test"})
+    assert record["ids"][:3] == [42, 7, 100] and len(record["ids"]) == 50  # most counted first, ties by id
     assert shipped_ranking(lm.tokenizer, vocab, tmp_path / "draft_vocab.json") == record["ids"]
-    assert record["ids"] == token_ranking(lm.tokenizer, vocab)[:50]
-    assert sorted(token_ranking(lm.tokenizer, vocab)) == list(range(vocab))
-    space = lm.tokenizer.convert_tokens_to_ids("Ġ")
-    assert space in record["ids"][:5]  # a space is among the commonest bytes of English and Python
     record["ids"] = record["ids"][::-1]
     (tmp_path / "other.json").write_text(json.dumps(record))
     assert shipped_ranking(lm.tokenizer, vocab, tmp_path / "other.json") is None
@@ -234,8 +208,8 @@ def test_the_ranking_file_serves_its_own_tokenizer_only(tiny_models, tmp_path):
     (dict(draft_k=DRAFT_K_CAP + 1), f"1..{DRAFT_K_CAP}"),
     (dict(draft_k=2.5), "whole number"),
     (dict(draft_vocab=-1), ">= 0"),
-    (dict(adaptive=1.0), "[0, 1)"),
-    (dict(adaptive=-0.1), "[0.0, 1.0]"),
+    (dict(pace="adaptive"), "draft pace must be one of measured, fixed"),
+    (dict(lookup="yes"), "lookup must be true or false"),
 ])
 def test_bad_exact_settings_are_refused_with_the_allowed_range(kwargs, message):
     with pytest.raises(InputError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")
@@ -268,7 +242,7 @@ def test_acceptance_metrics_and_the_heatmap_row_agree(tiny_models):
     from skipkey.quality.figures import acceptance_figure, draft_outcomes, layer_usage_figure
 
     with never_ending(tiny_models("gemma3", seed=2)) as lm:
-        trace = exact_trace(lm, [LONG], ExactDecoding(5), 40)
+        trace = exact_trace(lm, [LONG], ExactDecoding(5, pace="fixed", lookup=False), 40)
     rate = acceptance(trace)
     outcomes = draft_outcomes(trace)
     assert len(outcomes) == len(trace.events) == 40
@@ -305,7 +279,7 @@ def test_generate_exact_prints_the_full_models_tokens_and_the_acceptance(capsys,
     code, out, _ = run_cli(capsys, *common)
     full = json.loads(out)
     code, out, _ = run_cli(capsys, *common, "--exact", "--draft-k", "3", "--draft-vocab", "64",
-                           "--draft-adaptive", "0.2")
+                           "--draft-pace", "fixed", "--prompt-lookup", "off")
     exact = json.loads(out)
     assert code == 0 and exact["token_ids"] == full["token_ids"]
     assert exact["skipdecode"] and "exact" in exact["exact"] and "64-token draft head" in exact["exact"]
@@ -317,7 +291,6 @@ def test_generate_exact_prints_the_full_models_tokens_and_the_acceptance(capsys,
     (["--draft-k", str(DRAFT_K_CAP + 1)], f"draft k must be in 1..{DRAFT_K_CAP}"),
     (["--draft-vocab", "-1"], "draft vocab must be in >= 0"),
     (["--draft-vocab", "100000"], "draft vocab must be in 0..259"),
-    (["--draft-adaptive", "1.5"], "adaptive draft threshold must be in [0.0, 1.0]"),
     (["--sample"], "--exact is greedy only"),
     (["--kv-policy", "keyformer"], "cannot be combined with KV eviction"),
 ])
@@ -332,12 +305,12 @@ def test_bench_exact_reports_speedup_acceptance_and_the_byte_models_prediction(c
     code, out, _ = run_cli(capsys, "bench", "--model", model_dir, "--device", "cpu", "--exact",
                            "--max-new-tokens", "12", "--prompt-tokens", "24", "--batch", "1", "2",
                            "--repeats", "1", "--warmup", "0", "--draft-k", "2", "4", "--draft-vocab", "0", "64",
-                           "--draft-adaptive", "0.3", "--output", str(out_file))
+                           "--draft-pace", "measured", "fixed", "--output", str(out_file))
     assert code == 0 and "predicted" in out
     results = json.loads(out_file.read_text())
     assert [r["batch"] for r in results] == [1, 2]
     for result in results:
-        assert len(result["exact"]) == 2 * 2 + 2  # every k for both heads, plus one adaptive run per head
+        assert len(result["exact"]) == 2 * 2 * 2  # every k for both heads and both paces
         for row in result["exact"]:
             assert row["identical"] and row["speedup_vs_full"] > 0
             assert 1.0 <= row["tokens_per_verify_step"] <= row["verified_tokens"]
@@ -362,7 +335,7 @@ def test_exact_on_the_embedded_model_with_the_committed_adapter_and_draft_vocab(
     from skipkey.quality.prompts import ORDINARY_PROMPTS, long_text_ids
     from skipkey.serving.models import EMBEDDED_ADAPTER
     from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
-    from skipkey.skipdecode.exact import DRAFT_VOCAB_FILE
+    from skipkey.skipdecode.draft_vocab import DRAFT_VOCAB_FILE
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -412,7 +385,7 @@ def test_exact_starts_from_a_recorded_prompt_pass(tiny_models):
 
 
 def test_the_default_draft_head_is_the_measured_best_where_the_vocabulary_is_larger():
-    from skipkey.skipdecode.exact import DEFAULT_DRAFT_VOCAB
+    from skipkey.skipdecode.draft_vocab import DEFAULT_DRAFT_VOCAB
 
     auto = ExactDecoding()
     assert auto.draft_k == 3 and auto.draft_vocab is None

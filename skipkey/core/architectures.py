@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from skipkey.core.attention import ATTENTION_NAME, install_attention
+from skipkey.core.gemm import linear_rows
 from skipkey.errors import InputError
 from skipkey.core.offload import execution_device, offloaded_bytes
 
@@ -74,7 +75,11 @@ class Architecture:
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for ``hidden`` (already the positions wanted), as float32 like ``generate``."""
-        return self.model.lm_head(self.norm(hidden)).float()
+        return self.cap_logits(linear_rows(self.model.lm_head, self.norm(hidden)).float())
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the family does to the LM head's output (Gemma's final soft cap); a draft head's rows too."""
+        return logits
 
     # -- shared -------------------------------------------------------------
     def run_layer(self, idx: int, hidden: torch.Tensor, layer_kwargs: dict, *, attention_mask=None,
@@ -131,8 +136,7 @@ class Gemma3Architecture(Architecture):
         tables = {t: rotary(hidden, positions, t) for t in set(self.config.layer_types)}
         return [{"position_embeddings": tables[t], "position_ids": positions} for t in self.config.layer_types]
 
-    def head(self, hidden):
-        logits = self.model.lm_head(self.norm(hidden)).float()
+    def cap_logits(self, logits):
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -65,11 +65,13 @@ class StepEvent:
     logprobs: tuple[float, ...] | None = None  # of the forced tokens, when teacher forcing
     greedy: tuple[int, ...] | None = None  # the model's own argmax where a token was forced
     # Exact decoding (``skipkey.skipdecode.exact``), on the first token of each verify step only: the tokens
-    # drafted, how many of them each row's full model agreed with, and the layers each drafted token ran.
+    # drafted, how many of them each row's full model agreed with, the layers each token the SkipDecode model
+    # drafted ran, and where the draft came from ("layers", "lookup": prompt lookup, None: a plain step).
     drafted: int | None = None
     accepted: tuple[int, ...] | None = None
     draft_layers: tuple[tuple[int, ...], ...] | None = None
     draft_seconds: float | None = None  # of the verify step's time, the drafting (the rest is the verify forward)
+    draft_source: str | None = None
 
 
 def logits_processors(settings: GenerationSettings) -> LogitsProcessorList:
@@ -270,11 +272,11 @@ class Engine:
         yield events.build(0, token, all_layers, started, scored, importance=importance,
                            prompt_lengths=tuple(batch.lengths))
 
-        next_pos = torch.tensor(batch.lengths, device=self.device)
         if self.exact is not None:
-            yield from self.exact.decode(self, cache, events, plan, token, next_pos, total_steps, stop)
+            yield from self.exact.decode(self, cache, events, plan, token, batch, stop)
             cache.layers.clear()
             return
+        next_pos = torch.tensor(batch.lengths, device=self.device)
         for step in range(1, total_steps):
             if events.all_finished or (stop is not None and stop.is_set()):
                 break

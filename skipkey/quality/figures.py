@@ -263,19 +263,25 @@ def token_diff(reference: Trace, candidate: Trace, row: int = 0, pending: bool =
             same = reference_tokens[i] == token
         spans.append((candidate.events[i].texts[row], None if same else DIFFERS))
     return spans
-ACCEPTED, VERIFIER = "#16a34a", "#f59e0b"
+ACCEPTED, LOOKUP, VERIFIER = "#16a34a", "#2563eb", "#f59e0b"
+
+
+DRAFTED, LOOKED_UP, VERIFIED = 1.0, 0.5, 0.0  # who proposed a token of an exact run (``draft_outcomes``)
 
 
 def draft_outcomes(trace: Trace, row: int = 0) -> list[float]:
-    """Per generated token of ``row`` in an exact run: 1 where the draft had proposed it (an accepted draft),
-    0 where only the full model's verify step produced it, nan for token 0 (the prompt pass)."""
+    """Per generated token of ``row`` in an exact run: ``DRAFTED`` where the SkipDecode draft had proposed it,
+    ``LOOKED_UP`` where prompt lookup had, ``VERIFIED`` where only the full model's verify step produced it,
+    nan for token 0 (the prompt pass)."""
     outcomes = [float("nan")] * len(trace.events)
     own = start = 0
+    accepted = DRAFTED
     for i, event in enumerate(trace.events):
         if event.drafted is not None:
             own, start = event.accepted[row], i
+            accepted = LOOKED_UP if event.draft_source == "lookup" else DRAFTED
         if i > 0:
-            outcomes[i] = 1.0 if i - start < own else 0.0
+            outcomes[i] = accepted if i - start < own else VERIFIED
     return outcomes
 
 
@@ -286,18 +292,22 @@ def acceptance_figure(trace: Trace, row: int = 0, window: int = WINDOW_TOKENS, h
     outcomes = draft_outcomes(trace, row)
     n = len(outcomes)
     tokens = [visible_token(event.texts[row]) for event in trace.events]
-    label = ["prompt pass" if np.isnan(o) else ("drafted, accepted" if o else "full model's token") for o in outcomes]
+    names = {DRAFTED: "drafted by SkipDecode, accepted", LOOKED_UP: "proposed by prompt lookup, accepted",
+             VERIFIED: "full model's token"}
+    label = ["prompt pass" if np.isnan(o) else names[o] for o in outcomes]
     steps = sum(e.drafted is not None for e in trace.events)
     decoded = n - 1
     fig = go.Figure(go.Heatmap(
         z=[outcomes], x=np.arange(n), y=["draft"], zmin=0, zmax=1,
-        colorscale=[[0.0, VERIFIER], [0.5, VERIFIER], [0.5, ACCEPTED], [1.0, ACCEPTED]], showscale=False,
+        colorscale=[[0.0, VERIFIER], [0.25, VERIFIER], [0.25, LOOKUP], [0.75, LOOKUP], [0.75, ACCEPTED],
+                    [1.0, ACCEPTED]], showscale=False,
         xgap=1, customdata=np.dstack([[tokens], [label]]),
         hovertemplate="token %{x}: <b>%{customdata[0]}</b><br>%{customdata[1]}<extra></extra>",
     ))
     fig.update_layout(
         title=dict(text=f"Exact: {decoded / max(1, steps):.2f} tokens per verify step "
                         f"<span style='color:{ACCEPTED}'>■ accepted draft</span> "
+                        f"<span style='color:{LOOKUP}'>■ accepted lookup</span> "
                         f"<span style='color:{VERIFIER}'>■ full model's token</span>", font=dict(size=14)),
         height=height, margin=dict(l=55, r=20, t=45, b=10), font=FONT, plot_bgcolor="white", paper_bgcolor="white",
     )

@@ -254,6 +254,10 @@ class Acceptance:
     agreement: float
     tokens_per_verify_step: float  # decode tokens per row and verify step
     mean_draft_length: float
+    # Where the drafts came from: verify steps drafted by prompt lookup, and plain steps (nothing drafted).
+    lookup_steps: int = 0
+    plain_steps: int = 0
+    lookup_accepted: int = 0  # of ``accepted``, the tokens prompt lookup proposed
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -265,17 +269,21 @@ def acceptance(trace: Trace) -> Acceptance | None:
     steps = [i for i, e in enumerate(events) if e.drafted is not None]
     if not steps:
         return None
-    drafted = accepted = rejected = 0
+    drafted = accepted = rejected = from_lookup = 0
     for i in steps:
         generating = [not done for done in events[i - 1].finished]
         drafted += events[i].drafted * sum(generating)
-        accepted += sum(a for a, live in zip(events[i].accepted, generating) if live)
+        got = sum(a for a, live in zip(events[i].accepted, generating) if live)
+        accepted += got
+        from_lookup += got if events[i].draft_source == "lookup" else 0
         rejected += sum(a < events[i].drafted for a, live in zip(events[i].accepted, generating) if live)
     return Acceptance(verify_steps=len(steps), drafted=drafted, accepted=accepted, rejected=rejected,
                       acceptance=accepted / drafted if drafted else float("nan"),
                       agreement=accepted / (accepted + rejected) if accepted + rejected else float("nan"),
                       tokens_per_verify_step=len(trace.decode_events) / len(steps),
-                      mean_draft_length=float(np.mean([events[i].drafted for i in steps])))
+                      mean_draft_length=float(np.mean([events[i].drafted for i in steps])),
+                      lookup_steps=sum(events[i].draft_source == "lookup" for i in steps),
+                      plain_steps=sum(events[i].drafted == 0 for i in steps), lookup_accepted=from_lookup)
 
 
 def speculative_speedup(acceptance_rate: float, k: int, draft_cost: float, verify_cost: float) -> float:
@@ -304,15 +312,17 @@ class VerifyCosts:
 
 
 def verify_costs(trace: Trace) -> VerifyCosts | None:
-    """From an exact run's verify steps: drafting time per drafted token, and the verify forward's time
-    (a step's time less its drafting) over the steps that drafted the most. None for other runs."""
+    """From an exact run's verify steps: the SkipDecode model's drafting time per token it drafted, and the
+    verify forward's time (a step's time less its drafting) over the steps that verified the most tokens.
+    None for other runs, or when the SkipDecode model drafted nothing."""
     events = trace.events
     steps = [i for i, e in enumerate(events) if e.drafted is not None] + [len(events)]
-    cycles = [(events[a].drafted, events[a].draft_seconds, sum(e.seconds for e in events[a:b]))
-              for a, b in zip(steps, steps[1:])]
-    drafted = sum(d for d, _, _ in cycles)
-    if not cycles or not drafted:
+    cycles = [(events[a].drafted, events[a].draft_seconds, sum(e.seconds for e in events[a:b]),
+               events[a].draft_source) for a, b in zip(steps, steps[1:])]
+    by_layers = [(d, s) for d, s, _, source in cycles if source == "layers"]
+    drafted = sum(d for d, _ in by_layers)
+    if not drafted:
         return None
-    most = max(d for d, _, _ in cycles)
-    return VerifyCosts(draft_s=sum(s for _, s, _ in cycles) / drafted,
-                       verify_s=float(np.median([t - s for d, s, t in cycles if d == most])), verified=most + 1)
+    most = max(d for d, _, _, _ in cycles)
+    return VerifyCosts(draft_s=sum(s for _, s in by_layers) / drafted,
+                       verify_s=float(np.median([t - s for d, s, t, _ in cycles if d == most])), verified=most + 1)

@@ -10,6 +10,13 @@ rows of the ``N`` most frequent tokens, FR-Spec, arXiv 2502.14856). The full mod
 agree with, plus the full model's own next token. Under greedy decoding the output
 is the full model's.
 
+What a cycle drafts is decided by a pace (``skipkey.skipdecode.drafting``): the
+measured pace drafts only what the measured costs and acceptance say will pay, takes
+a prompt-lookup proposal (the continuation of an earlier occurrence of the last few
+tokens: free to draft) where that is worth more, and falls back to a plain full step
+where nothing pays, so a prompt the draft does not suit costs about what the full
+model does.
+
 The cache (*our choice*). The draft's keys and values at a layer come from hidden
 states the skipped layers never touched, so they are not the full model's. The
 draft writes them into the same in-place cache, the drafted positions are rolled
@@ -30,74 +37,67 @@ model keeps), sampling (this module implements greedy acceptance only) and teach
 forcing (nothing to draft).
 """
 
+
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import time
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from skipkey.config import require_float, require_int
+from skipkey.config import require_int
 from skipkey.core.attention import StepState
 from skipkey.core.cache import KVCache
+from skipkey.core.gemm import linear_weight_rows
 from skipkey.errors import InputError
-from skipkey.quality.prompts import training_prompts, training_text
+from skipkey.skipdecode.draft_vocab import DEFAULT_DRAFT_VOCAB, token_ranking
+from skipkey.skipdecode.drafting import PACES, PLAIN, Cycle, PromptLookup, StepCosts
 
 DRAFT_K_CAP = 16  # drafted tokens per verify step; beyond it the acceptance a^k makes more drafting pointless
-MAX_PAUSE = 16  # adaptive k: the most plain (undrafted) steps between probes after rejected drafts
-# The draft head's rows where none is named: the fastest measured on the embedded model (docs/results/exact.md).
-DEFAULT_DRAFT_VOCAB = 32768
-DRAFT_VOCAB_FILE = Path(__file__).resolve().parents[2] / "assets" / "skipdecode-lora" / "draft_vocab.json"
-# The corpus token frequencies are counted on: seeded windows of the offline training text
-# (Python's help topics and standard-library source) plus the adapter's training prompts.
-VOCAB_CORPUS = {"windows": 2048, "tokens_per_window": 256, "prompts": 2048, "seed": 7}
 
 
 @dataclass(frozen=True)
 class ExactDecoding:
     """Greedy decoding whose tokens are the full model's, drafted by the SkipDecode model.
 
-    ``draft_k``: tokens drafted per verify step (1..``DRAFT_K_CAP``), the most when
-    adaptive. ``adaptive``: 0 for a fixed ``k``; else a probability in (0, 1): a
-    cycle stops drafting after a token whose draft probability falls below it, and
-    the draft length grows after fully accepted cycles, shrinks to what was accepted
-    and pauses drafting (probing again after a doubling wait) after a cycle that
-    accepted nothing, so speed does not fall much below the full model's.
-    ``draft_vocab``: 0 for the full LM head, else the draft head's rows, the ``N``
-    most frequent tokens (``token_ranking``); None: ``DEFAULT_DRAFT_VOCAB`` rows where the
+    ``draft_k``: the most tokens the SkipDecode model drafts per verify step
+    (1..``DRAFT_K_CAP``). ``pace``: "measured" drafts only what pays (fewer tokens, a
+    prompt-lookup proposal or none at all, from the costs and acceptance measured as
+    the run goes); "fixed" drafts ``draft_k`` every cycle. ``lookup``: also propose the
+    continuation of an earlier occurrence of the text's last tokens (prompt lookup).
+    ``draft_vocab``: 0 for the full LM head, else the draft head's rows, the ``N`` most
+    frequent tokens (``token_ranking``); None: ``DEFAULT_DRAFT_VOCAB`` rows where the
     model has more tokens than that, else the full head.
     """
 
-    draft_k: int = 3  # the fastest measured on the embedded model (docs/results/exact.md)
-    adaptive: float = 0.0
+    draft_k: int = 4
+    pace: str = "measured"
+    lookup: bool = True
     draft_vocab: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "draft_k", require_int("draft k", self.draft_k, 1, DRAFT_K_CAP))
-        adaptive = require_float("adaptive draft threshold", self.adaptive, 0.0, 1.0)
-        if adaptive == 1.0:
-            raise InputError("adaptive draft threshold must be in [0, 1) (0 = fixed k), got 1.0")
-        object.__setattr__(self, "adaptive", adaptive)
+        if self.pace not in PACES:
+            raise InputError(f"draft pace must be one of {', '.join(PACES)}, got {self.pace!r}")
+        if not isinstance(self.lookup, bool):
+            raise InputError(f"lookup must be true or false, got {self.lookup!r}")
         if self.draft_vocab is not None:
             object.__setattr__(self, "draft_vocab", require_int("draft vocab", self.draft_vocab, 0))
 
     @property
     def lookback(self) -> int:
-        """The most tokens a layer ever takes back at once: a verify forward's ``k + 1`` less the one kept."""
-        return self.draft_k + 1
+        """The most tokens a layer ever takes back at once: a verify forward's tokens less the one kept."""
+        return max(self.draft_k, LOOKUP_CAP if self.lookup else 0) + 1
 
     def describe(self) -> str:
-        k = f"adaptive k <= {self.draft_k} (p >= {self.adaptive:g})" if self.adaptive else f"k = {self.draft_k}"
+        k = f"up to {self.draft_k} drafted, measured pace" if self.pace == "measured" else f"k = {self.draft_k}"
         head = (f", {self.draft_vocab}-token draft head" if self.draft_vocab else "" if self.draft_vocab == 0 else
                 f", {DEFAULT_DRAFT_VOCAB}-token draft head where the vocabulary is larger")
-        return f"exact (verified), {k}{head}"
+        return f"exact (verified), {k}{head}{', prompt lookup' if self.lookup else ''}"
 
     # -- the edge ----------------------------------------------------------------
     def validate(self, engine) -> None:
@@ -127,41 +127,55 @@ class ExactDecoding:
         return KVCache.verifying(windows, self.lookback)
 
     # -- the loop ----------------------------------------------------------------
-    def decode(self, engine, cache: KVCache, events, plan, token: torch.Tensor, next_pos: torch.Tensor,
-               total_steps: int, stop) -> Iterator:
-        """Tokens 1.. of ``Engine.generate`` after its prompt pass: one event per token, a verify step at a time.
+    def decode(self, engine, cache: KVCache, events, plan, token: torch.Tensor, batch, stop) -> Iterator:
+        """Tokens 1.. of ``Engine.generate`` after its prompt pass (``batch``: its prompts), one event per token,
+        a verify step at a time.
 
         A verify step's first event carries ``drafted``, each row's ``accepted``, the
-        ``draft_layers`` of each drafted token and ``draft_seconds``; the step's time is
-        shared evenly by its tokens.
+        ``draft_layers`` of each token the SkipDecode model drafted, ``draft_source``
+        ("layers", "lookup", or None for a plain step) and ``draft_seconds``; the step's
+        time is shared evenly by its tokens.
         """
+        total_steps = events.settings.max_new_tokens
         num_layers = engine.full_arch.num_layers
         all_layers = tuple(range(num_layers))
-        head = _HEADS.get(engine)
-        if head is None:  # once per engine: the ranking and the head's rows are not part of any step's cost
-            head = _HEADS[engine] = DraftHead(self._draft_ids(engine), engine.head_device)
-        length = DraftLength(self.draft_k, self.adaptive > 0)
+        if _HEADS.get(engine) is None:  # once per engine: the ranking and the head's rows are no step's cost
+            _HEADS[engine] = DraftHead(self._draft_ids(engine), engine.head_device)
+        costs = StepCosts()
+        pace = PACES[self.pace](self.draft_k, PromptLookup() if self.lookup else None, costs, num_layers)
+        texts = _Texts(batch, total_steps) if self.lookup else None
+        next_pos = torch.tensor(batch.lengths, device=token.device)
         step = 1
         while step < total_steps:
             if events.all_finished or (stop is not None and stop.is_set()):
                 break
             started = time.perf_counter()
-            live = torch.tensor([not done for done in events.finished], device=token.device)
+            live = [not done for done in events.finished]
             feed = events.feed(token)
-            k = min(length.next(), total_steps - step - 1)
-            drafted, draft_layers = self.draft(engine, cache, feed, next_pos, plan, step, k, live)
-            draft_seconds = time.perf_counter() - started
+            if texts is not None:
+                texts.extend(feed, live)
+            depth = len(plan.layer_set(step - 1)) if plan is not None else num_layers
+            cap = total_steps - step - 1
+            cycle = pace.choose(cap, texts.propose(live, LOOKUP_CAP) if texts is not None else None, depth)
+            drafted, draft_layers, probabilities = self._drafts(engine, cache, feed, next_pos, plan, step, cycle,
+                                                                live, pace)
+            drafting = time.perf_counter()
             greedy = self.verify(engine, cache, torch.cat([feed[:, None], drafted], dim=1), next_pos)
             own = accepted_prefix(drafted, greedy[:, :-1])
-            shared = int(own[live].min()) if bool(live.any()) else 0
+            shared = int(own[torch.tensor(live, device=own.device)].min()) if any(live) else 0
             cache_rollback(cache, drafted.shape[1] - shared)
-            length.update(drafted.shape[1], shared)
+            costs.observe_verify(drafted.shape[1] + 1, time.perf_counter() - drafting)
+            if draft_layers:
+                costs.observe_draft(round(np.mean([len(x) for x in draft_layers])),
+                                    (drafting - started) / len(draft_layers))
+            pace.observe(cycle, probabilities, shared)
             count = shared + 1
             seconds = (time.perf_counter() - started) / count
             for i in range(count):
                 event = events.build(step + i, greedy[:, i], all_layers, started)
                 extra = dict(drafted=drafted.shape[1], accepted=tuple(own.tolist()), draft_layers=draft_layers,
-                             draft_seconds=draft_seconds) if i == 0 else {}
+                             draft_seconds=drafting - started,
+                             draft_source=None if cycle.source == "plain" else cycle.source) if i == 0 else {}
                 yield dataclasses.replace(event, seconds=seconds, **extra)
                 if events.all_finished:
                     return
@@ -169,16 +183,24 @@ class ExactDecoding:
             next_pos = next_pos + count
             step += count
 
-    def draft(self, engine, cache: KVCache, token, positions, plan, step: int, k: int,
-              live: torch.Tensor) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...]]:
-        """Up to ``k`` greedy tokens from the SkipDecode model, its cache entries taken back afterwards.
+    def _drafts(self, engine, cache, feed, next_pos, plan, step: int, cycle: Cycle, live: list[bool], pace):
+        """The cycle's drafted tokens ``[B, k]``, the layer set of each SkipDecode-drafted one, and their draft
+        probabilities (the lowest of the live rows')."""
+        if cycle.source == "lookup":
+            return torch.tensor(cycle.tokens, dtype=torch.long, device=feed.device), (), []
+        if cycle.source == "layers":
+            return self.draft(engine, cache, feed, next_pos, plan, step, cycle.count, live, pace)
+        return torch.empty(feed.shape[0], 0, dtype=torch.long, device=feed.device), (), []
 
-        Token ``step + j`` is fed through ``E(step + j - 1)``, as plain SkipDecode would.
-        """
+    def draft(self, engine, cache: KVCache, token, positions, plan, step: int, k: int, live: list[bool], pace
+              ) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...], list[float]]:
+        """Up to ``k`` greedy tokens from the SkipDecode model, its cache entries taken back afterwards; ``pace``
+        may stop it earlier. Token ``step + j`` is fed through ``E(step + j - 1)``, as plain SkipDecode would."""
         head = _HEADS[engine]  # made by ``decode`` before its first draft
         num_layers = engine.full_arch.num_layers
         written = [0] * num_layers
-        drafted, layer_sets = [], []
+        drafted, layer_sets, probabilities = [], [], []
+        rows = torch.tensor(live, device=token.device)
         for j in range(k):
             layers = plan.layer_set(step + j - 1) if plan is not None else tuple(range(num_layers))
             arch = engine.arch if num_layers - len(layers) >= engine.min_skipped else engine.full_arch
@@ -189,15 +211,15 @@ class ExactDecoding:
             for idx in layers:
                 hidden = arch.run_layer(idx, hidden, layer_kwargs[idx], state=state)
                 written[idx] += 1
-            token, confidence = head(arch, hidden[:, -1], want_confidence=self.adaptive > 0)
+            token, confidence = head(arch, hidden[:, -1])
             drafted.append(token)
             layer_sets.append(layers)
-            if self.adaptive and bool((confidence < self.adaptive)[live].any()):
+            probabilities.append(float(confidence[rows].min()) if bool(rows.any()) else 1.0)
+            if j + 1 < k and not pace.keep_drafting(j + 1, probabilities[-1]):
                 break
         for layer, count in zip(cache.layers, written):
             layer.rollback(count)
-        empty = torch.empty(token.shape[0], 0, dtype=torch.long, device=token.device)
-        return (torch.stack(drafted, dim=1) if drafted else empty), tuple(layer_sets)
+        return torch.stack(drafted, dim=1), tuple(layer_sets), probabilities
 
     @staticmethod
     def verify(engine, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -229,7 +251,34 @@ class ExactDecoding:
         return torch.tensor(sorted(ids), dtype=torch.long)
 
 
+LOOKUP_CAP = 8  # the most tokens a prompt-lookup proposal puts into one verify forward
 _HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # each engine's draft head, built on first use
+
+
+class _Texts:
+    """Each row's tokens so far (prompt and output), where prompt lookup searches."""
+
+    def __init__(self, batch, new_tokens: int):
+        width = batch.input_ids.shape[1]
+        ids = batch.input_ids.cpu().numpy()
+        self.tokens = [np.concatenate([ids[r, width - n:], np.zeros(new_tokens, dtype=ids.dtype)])
+                       for r, n in enumerate(batch.lengths)]
+        self.length = list(batch.lengths)
+        self.lookup = PromptLookup()
+
+    def extend(self, fed: torch.Tensor, live: list[bool]) -> None:
+        """Append the token each live row is fed next (the last one emitted)."""
+        for r, token in enumerate(fed.tolist()):
+            if live[r] and self.length[r] < len(self.tokens[r]):
+                self.tokens[r][self.length[r]] = token
+                self.length[r] += 1
+
+    def propose(self, live: list[bool], count: int) -> list[tuple[tuple[int, ...], int]]:
+        """Every row's lookup proposal; a finished row takes the first live row's (it is fed padding anyway)."""
+        own = [self.lookup.propose(t[:n], count) if alive else None
+               for t, n, alive in zip(self.tokens, self.length, live)]
+        first = next((p for p in own if p is not None), ((), 0))
+        return [first if p is None else p for p in own]
 
 
 def accepted_prefix(drafted: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -247,29 +296,22 @@ def cache_rollback(cache: KVCache, count: int) -> None:
 
 
 class DraftHead:
-    """The draft's LM head: the model's own, or only the rows of ``ids`` (FR-Spec's reduced vocabulary).
-
-    The reduced head omits Gemma's final-logit soft cap: a monotone map, so the draft
-    token is the same; only the adaptive threshold sees uncapped probabilities.
-    """
+    """The draft's LM head: the model's own, or only the rows of ``ids`` (FR-Spec's reduced vocabulary)."""
 
     def __init__(self, ids: torch.Tensor | None, device):
         self.ids = None if ids is None else ids.to(device)
         self.rows: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # per architecture (tuned or full)
 
-    def __call__(self, arch, hidden: torch.Tensor, want_confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each row's draft token and (when wanted) its draft probability, for ``hidden`` ``[B, D]``."""
+    def __call__(self, arch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's draft token and its draft probability (over the head's rows), for ``hidden`` ``[B, D]``."""
         if self.ids is None:
             logits = arch.head(hidden[:, None])[:, -1]
         else:
             weight, bias = self._rows(arch)
-            logits = torch.nn.functional.linear(arch.norm(hidden), weight, bias).float()
+            logits = arch.cap_logits(linear_weight_rows(weight, bias, arch.norm(hidden)).float())
         best = logits.argmax(dim=-1)
-        token = best if self.ids is None else self.ids[best]
-        if not want_confidence:
-            return token, None
         top = logits.gather(1, best[:, None])[:, 0]
-        return token, torch.exp(top - torch.logsumexp(logits, dim=-1))
+        return best if self.ids is None else self.ids[best], torch.exp(top - torch.logsumexp(logits, dim=-1))
 
     def _rows(self, arch):
         found = self.rows.get(id(arch))
@@ -280,92 +322,4 @@ class DraftHead:
         return found
 
 
-class DraftLength:
-    """Tokens the next cycle drafts: always ``cap`` when fixed; else adapted to what was accepted."""
-
-    def __init__(self, cap: int, adaptive: bool):
-        self.cap, self.adaptive = cap, adaptive
-        self.now = cap
-        self.wait = 0  # plain steps left before drafting again
-        self.pause = 1  # the next wait after a rejected probe (doubles up to MAX_PAUSE)
-
-    def next(self) -> int:
-        if not self.adaptive:
-            return self.cap
-        if self.wait > 0:
-            self.wait -= 1
-            return 0
-        return self.now
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if not self.adaptive or drafted == 0:
-            return
-        if accepted == drafted:
-            self.now, self.pause = min(self.cap, self.now + 1), 1
-        elif accepted == 0:
-            self.now, self.wait, self.pause = 1, self.pause, min(2 * self.pause, MAX_PAUSE)
-        else:
-            self.now = min(self.cap, accepted + 1)
-
-
-# -- the draft vocabulary ------------------------------------------------------------------------------
-def tokenizer_digest(tokenizer, ids: Sequence[int]) -> str:
-    """Identifies a ranking's tokens: the SHA-256 of their strings, so a file never serves another tokenizer."""
-    return hashlib.sha256("\n".join(map(str, tokenizer.convert_ids_to_tokens(list(ids)))).encode()).hexdigest()
-
-
-def count_ranking(tokenizer, vocab_size: int, corpus: dict = VOCAB_CORPUS) -> list[int]:
-    """Every token id, most frequent first on the offline corpus (ties and unseen tokens by id)."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    half = corpus["tokens_per_window"] // 2
-    for ids in training_text(tokenizer, corpus["windows"], half, half, seed=corpus["seed"]):
-        np.add.at(counts, np.asarray([t for t in ids if t < vocab_size], dtype=np.int64), 1)
-    for prompt in training_prompts(corpus["prompts"], seed=corpus["seed"]):
-        ids = [t for t in tokenizer(prompt, add_special_tokens=False)["input_ids"] if t < vocab_size]
-        np.add.at(counts, np.asarray(ids, dtype=np.int64), 1)
-    return np.argsort(-counts, kind="stable").tolist()
-
-
-def write_ranking(path: Path, tokenizer, vocab_size: int, keep: int) -> dict:
-    """Count the ranking and store its first ``keep`` ids with what identifies them (the shipped file)."""
-    ids = count_ranking(tokenizer, vocab_size)[:keep]
-    record = {"format": "skipkey-draft-vocab/1", "vocab_size": vocab_size, "corpus": VOCAB_CORPUS,
-              "tokens_sha256": tokenizer_digest(tokenizer, ids), "ids": ids}
-    Path(path).write_text(json.dumps(record, separators=(",", ":")) + "\n")
-    return record
-
-
-def shipped_ranking(tokenizer, vocab_size: int, path: Path = DRAFT_VOCAB_FILE) -> list[int] | None:
-    """The stored ranking's ids when it is for this tokenizer and vocabulary (else None)."""
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    ids = record.get("ids", [])
-    if record.get("vocab_size") != vocab_size or record.get("tokens_sha256") != tokenizer_digest(tokenizer, ids):
-        return None
-    return ids
-
-
-_RANKINGS: dict[tuple[int, str], list[int]] = {}
-
-
-def token_ranking(tokenizer, vocab_size: int) -> list[int]:
-    """Every token id, most frequent first: the shipped file's order, then the rest by id.
-
-    Without a file for this tokenizer (tiny test models, other models) the frequencies
-    are counted once per tokenizer and process (seconds).
-    """
-    key = (vocab_size, tokenizer_digest(tokenizer, range(min(vocab_size, len(tokenizer), 1024))))
-    if key not in _RANKINGS:
-        shipped = shipped_ranking(tokenizer, vocab_size)
-        if shipped is not None:
-            rest = sorted(set(range(vocab_size)) - set(shipped))
-            _RANKINGS[key] = shipped + rest
-        else:
-            _RANKINGS[key] = count_ranking(tokenizer, vocab_size)
-    return _RANKINGS[key]
-
-
-__all__ = ["DRAFT_K_CAP", "DRAFT_VOCAB_FILE", "DraftHead", "DraftLength", "ExactDecoding", "accepted_prefix",
-           "count_ranking", "shipped_ranking", "token_ranking", "write_ranking"]
+__all__ = ["DRAFT_K_CAP", "LOOKUP_CAP", "DraftHead", "ExactDecoding", "accepted_prefix", "cache_rollback"]

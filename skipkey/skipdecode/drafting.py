@@ -1,0 +1,264 @@
+"""What exact decoding drafts, cycle by cycle: nothing, the text's own continuation, or the SkipDecode model.
+
+A verify forward over ``q`` tokens costs a little more than a plain step, and a draft
+step a third of one on the embedded model; a draft pays only when enough of it is
+accepted. On text people wrote the SkipDecode draft agrees with the full model from
+about 0.2 to 1.0 of the time depending on the prompt (``docs/results/exact.md``), so a
+fixed draft length loses on some prompts. Three pieces decide instead:
+
+* ``PromptLookup`` (prompt lookup decoding, Saxena 2023; transformers'
+  ``prompt_lookup_num_tokens``): the continuation of the latest earlier occurrence of
+  the text's last n tokens. It costs nothing to draft, only the verify's extra tokens.
+* ``StepCosts``: the seconds of a plain step, of a verify forward per token count and
+  of a draft step per depth, measured as the run goes.
+* A pace: ``FixedPace`` drafts ``k`` every cycle (the classic speculative loop);
+  ``MeasuredPace`` drafts only what it expects to pay, from the measured costs and the
+  acceptance measured so far: per drafted token the SkipDecode draft's own probability,
+  calibrated online against what the full model accepted, gives the chance the token
+  survives; drafting stops when the next token's expected gain (its survival times a
+  plain step's time) falls below its cost (a draft step plus a verified token), and a
+  cycle drafts nothing, a plain full step, when even the first token does not pay,
+  probing again after a doubling wait. Lookup proposals compete on the same scale.
+
+None of this changes the output: every token is still the full model's. It changes
+only how many forwards produce it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MAX_WAIT = 16  # plain steps between probes, at most, after drafting stopped paying
+SMOOTHING = 0.3  # weight of the newest observation in the running means of costs and agreement
+BINS = 10  # calibration bins of the draft's probability
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """One cycle's plan: ``source`` "layers" (the SkipDecode draft, up to ``count`` tokens), "lookup" (``tokens``,
+    one list per row) or "plain" (nothing drafted: one full step)."""
+
+    source: str
+    count: int = 0
+    tokens: tuple[tuple[int, ...], ...] = ()
+    ngram: int = 0
+
+
+PLAIN = Cycle("plain")
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    """Prompt lookup decoding: propose what followed the latest earlier occurrence of the last ``n`` tokens,
+    trying ``n`` from ``max_ngram`` down to ``min_ngram``."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def propose(self, tokens: np.ndarray, count: int) -> tuple[tuple[int, ...], int]:
+        """Up to ``count`` proposed ids and the n-gram length that matched (``((), 0)`` when none did)."""
+        length = len(tokens)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            tail = tokens[length - n:]
+            # Windows of n tokens that start before the tail and are followed by at least one token.
+            starts = np.flatnonzero(tokens[: length - n] == tail[0])
+            for i in range(1, n):
+                starts = starts[tokens[starts + i] == tail[i]]
+            if len(starts):
+                start = int(starts[-1]) + n
+                return tuple(int(t) for t in tokens[start: start + count]), n
+        return (), 0
+
+
+class Rate:
+    """A running estimate of a probability: a prior, then exponentially weighted observations."""
+
+    def __init__(self, prior: float):
+        self.value = prior
+
+    def observe(self, outcome: float, weight: float = SMOOTHING) -> None:
+        self.value += weight * (outcome - self.value)
+
+
+@dataclass
+class StepCosts:
+    """Seconds measured so far: a verify forward per token count (1 = a plain step), a draft step per depth."""
+
+    verify: dict[int, float] = field(default_factory=dict)
+    draft: dict[int, float] = field(default_factory=dict)
+    per_token: float = 0.04  # a verify forward's extra cost per token, in plain steps, until measured
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        _smooth(self.verify, tokens, seconds)
+
+    def observe_draft(self, depth: int, seconds: float) -> None:
+        _smooth(self.draft, depth, seconds)
+
+    @property
+    def known(self) -> bool:
+        return bool(self.verify)
+
+    def verify_s(self, tokens: int) -> float:
+        """A verify forward over ``tokens``: measured, else from the nearest measured count."""
+        if tokens in self.verify:
+            return self.verify[tokens]
+        nearest = min(self.verify, key=lambda q: (abs(q - tokens), q))
+        plain = self.verify[nearest] / (1 + self.per_token * (nearest - 1))
+        slope = self.per_token * plain
+        if 1 in self.verify and len(self.verify) > 1:  # two counts measured: their own slope
+            far = max(q for q in self.verify if q != 1)
+            slope = max(0.0, (self.verify[far] - self.verify[1]) / (far - 1))
+            plain = self.verify[1]
+        return plain + slope * (tokens - 1)
+
+    def draft_s(self, depth: int, layers: int) -> float:
+        """A draft step of ``depth`` layers (of ``layers``): measured, else scaled from another depth or, before
+        any, from a plain step by the share of layers (the head counted as a third of a step)."""
+        if depth in self.draft:
+            return self.draft[depth]
+        if self.draft:
+            nearest = min(self.draft, key=lambda d: abs(d - depth))
+            return self.draft[nearest] * (0.3 + 0.7 * depth / max(nearest, 1))
+        return self.verify_s(1) * (0.3 + 0.7 * depth / layers)
+
+
+def _smooth(table: dict[int, float], key: int, seconds: float) -> None:
+    old = table.get(key)
+    table[key] = seconds if old is None else old + SMOOTHING * (seconds - old)
+
+
+class Calibration:
+    """The chance the full model agrees with a drafted token, by the draft's own probability for it.
+
+    Starts from "the probability is right" (a Beta prior of weight ``prior_weight`` at each
+    bin's middle) and learns from every judged token: one whose earlier tokens in its cycle
+    were all accepted.
+    """
+
+    def __init__(self, prior_weight: float = 4.0):
+        middles = (np.arange(BINS) + 0.5) / BINS
+        self.hits = middles * prior_weight
+        self.seen = np.full(BINS, prior_weight)
+
+    def chance(self, probability: float) -> float:
+        b = min(int(probability * BINS), BINS - 1)
+        return float(self.hits[b] / self.seen[b])
+
+    def observe(self, probabilities: list[float], accepted: int) -> None:
+        for j, p in enumerate(probabilities[: accepted + 1]):
+            b = min(int(p * BINS), BINS - 1)
+            self.seen[b] += 1
+            self.hits[b] += j < accepted
+
+
+class FixedPace:
+    """Draft ``k`` tokens with the SkipDecode model every cycle: the classic speculative loop (with ``lookup``,
+    a lookup proposal of every row replaces the draft)."""
+
+    def __init__(self, k: int, lookup: PromptLookup | None, costs: StepCosts, layers: int):
+        self.k, self.lookup, self.costs, self.layers = k, lookup, costs, layers
+
+    def choose(self, cap: int, proposals, depth: int) -> Cycle:
+        if cap <= 0:
+            return PLAIN
+        if self.lookup is not None and proposals and all(p for p, _ in proposals):
+            return _lookup_cycle(proposals, min(self.k, cap))
+        return Cycle("layers", min(self.k, cap))
+
+    def keep_drafting(self, drafted: int, probability: float) -> bool:
+        return True
+
+    def observe(self, cycle: Cycle, probabilities: list[float], accepted: int) -> None:
+        pass
+
+
+class MeasuredPace(FixedPace):
+    """Draft only what is expected to pay, from the measured costs and acceptance (the module's docstring).
+
+    ``k`` caps a SkipDecode draft; a lookup proposal, which costs nothing to draft, may be
+    verified up to ``lookup_cap`` tokens, as far as its expected gain pays for them.
+    """
+
+    def __init__(self, k: int, lookup: PromptLookup | None, costs: StepCosts, layers: int, lookup_cap: int = 8):
+        super().__init__(k, lookup, costs, layers)
+        self.lookup_cap = lookup_cap
+        self.first = Rate(0.6)  # the chance a cycle's first drafted token is accepted
+        self.calibration = Calibration()
+        self.lookup_rates: dict[int, Rate] = {}  # per matched n-gram length: agreement of a proposed token
+        self.wait = 0  # plain (or lookup) cycles left before drafting is probed again
+        self.pause = 1  # the wait set after the next layers cycle that accepts nothing
+        self.depth = layers
+        self.survival = 1.0
+
+    def choose(self, cap: int, proposals, depth: int) -> Cycle:
+        if cap <= 0:
+            return PLAIN
+        self.depth = depth
+        if not self.costs.known:  # the first cycle drafts: it is how the costs and the acceptance are first seen
+            return Cycle("layers", min(self.k, cap))
+        plain_s = self.costs.verify_s(1)
+        options = [(1.0 / plain_s, PLAIN)]
+        draft_s = self.costs.draft_s(depth, self.layers)
+        pays = self.first.value * plain_s > draft_s + self.costs.verify_s(2) - plain_s
+        if pays or self.wait <= 0:
+            # Valued at its best length; how far it really drafts, ``keep_drafting`` decides token by token.
+            rate = max(self._per_second(self.first.value, count, count * draft_s) for count in range(1, self.k + 1))
+            options.append((rate if pays else float("inf"), Cycle("layers", min(self.k, cap))))  # a probe drafts
+        if self.lookup is not None and proposals and all(p for p, _ in proposals):
+            options.append(self._lookup_option(_lookup_cycle(proposals, min(self.lookup_cap, cap))))
+        choice = max(options, key=lambda option: option[0])[1]
+        if choice.source != "layers":
+            self.wait -= 1
+        return choice
+
+    def _lookup_option(self, cycle: Cycle) -> tuple[float, Cycle]:
+        """The proposal cut to the length with the best expected tokens per second, and that rate."""
+        rate = self.lookup_rates.setdefault(cycle.ngram, Rate(0.5)).value
+        best = max(range(1, cycle.count + 1), key=lambda length: self._per_second(rate, length, 0.0))
+        tokens = tuple(t[:best] for t in cycle.tokens)
+        return self._per_second(rate, best, 0.0), Cycle("lookup", best, tokens, cycle.ngram)
+
+    def _per_second(self, agreement: float, count: int, draft_s: float) -> float:
+        """Expected tokens per second of a cycle that drafts ``count`` tokens, each agreeing with ``agreement``."""
+        expected = sum(agreement ** j for j in range(1, count + 1))
+        return (1.0 + expected) / (draft_s + self.costs.verify_s(count + 1))
+
+    def keep_drafting(self, drafted: int, probability: float) -> bool:
+        """After ``drafted`` tokens, the last with draft probability ``probability``: draft one more?
+
+        The next token survives if every drafted token so far does and it is accepted
+        itself; its chance is guessed as the last one's (agreement runs in stretches).
+        """
+        chance = self.calibration.chance(probability)
+        self.survival = (1.0 if drafted == 1 else self.survival) * chance
+        if not self.costs.known:
+            return True
+        plain_s = self.costs.verify_s(1)
+        extra = self.costs.verify_s(drafted + 2) - self.costs.verify_s(drafted + 1)
+        return self.survival * chance * plain_s > self.costs.draft_s(self.depth, self.layers) + extra
+
+    def observe(self, cycle: Cycle, probabilities: list[float], accepted: int) -> None:
+        """What the verify accepted of ``cycle`` (for a SkipDecode draft, its tokens' draft probabilities)."""
+        if cycle.source == "layers":
+            self.calibration.observe(probabilities, accepted)
+            self.first.observe(float(accepted > 0))
+            self.pause = 1 if accepted else min(2 * self.pause, MAX_WAIT)
+            self.wait = self.pause
+        elif cycle.source == "lookup":
+            rate = self.lookup_rates.setdefault(cycle.ngram, Rate(0.5))
+            for j in range(min(accepted + 1, cycle.count)):
+                rate.observe(float(j < accepted))
+
+
+def _lookup_cycle(proposals, cap: int) -> Cycle:
+    """Every row's proposal, cut to the shortest row's length and ``cap``."""
+    count = min(cap, min(len(p) for p, _ in proposals))
+    return Cycle("lookup", count, tuple(tuple(p[:count]) for p, _ in proposals), min(n for _, n in proposals))
+
+
+PACES = {"measured": MeasuredPace, "fixed": FixedPace}
+
+
+__all__ = ["Cycle", "FixedPace", "MeasuredPace", "PACES", "PLAIN", "PromptLookup", "StepCosts"]
