@@ -167,9 +167,9 @@ def add_exact_args(p: argparse.ArgumentParser, bench: bool = False):
                    help="greedy output equal to the full model's; SkipDecode options choose the draft (default "
                         "--skip-target 2), --adapter its weights; refused with sampling and KV eviction")
     many = dict(nargs="+") if bench else {}
-    g.add_argument("--draft-k", type=int, default=[2, 3, 4, 6] if bench else ExactDecoding.draft_k, **many,
+    g.add_argument("--draft-k", type=int, default=[ExactDecoding.draft_k] if bench else ExactDecoding.draft_k, **many,
                    help=f"the most tokens the SkipDecode model drafts per verify step, 1..{DRAFT_K_CAP}")
-    g.add_argument("--draft-vocab", type=int, default=[0, DEFAULT_DRAFT_VOCAB] if bench else None, **many,
+    g.add_argument("--draft-vocab", type=int, default=[None] if bench else None, **many,
                    help=f"draft head rows: the N most frequent tokens (0 = the full head; default: {DEFAULT_DRAFT_VOCAB}, "
                         "the fastest measured on the embedded model, where the model has more tokens, else the full "
                         "head); verification always uses the full head")
@@ -189,20 +189,18 @@ def add_exact_args(p: argparse.ArgumentParser, bench: bool = False):
                             "with and without --adapter")
 
 
-def exact_from(args, draft_k: int | None = None, draft_vocab: int | None = None, pace: str | None = None,
-               lookup: str | None = None):
-    """The ``ExactDecoding`` the options describe (None without ``--exact``); bench passes each combination."""
+def exact_from(args):
+    """The ``ExactDecoding`` the options describe (None without ``--exact``)."""
     if not args.exact:
         return None
-    return ExactDecoding(args.draft_k if draft_k is None else draft_k, pace=args.draft_pace if pace is None else pace,
-                         lookup=(args.prompt_lookup if lookup is None else lookup) == "on",
-                         draft_vocab=args.draft_vocab if draft_vocab is None else draft_vocab)
+    return ExactDecoding(args.draft_k, pace=args.draft_pace, lookup=args.prompt_lookup == "on",
+                         draft_vocab=args.draft_vocab)
 
 
 def exact_specs(args) -> list:
     """Every combination ``bench --exact`` runs: each draft k, draft vocab, pace and lookup setting."""
-    return [exact_from(args, k, vocab, pace, lookup) for vocab in args.draft_vocab for pace in args.draft_pace
-            for lookup in args.prompt_lookup for k in args.draft_k]
+    return [ExactDecoding(k, pace=pace, lookup=lookup == "on", draft_vocab=vocab) for vocab in args.draft_vocab
+            for pace in args.draft_pace for lookup in args.prompt_lookup for k in args.draft_k]
 
 
 def check_exact_early(args):

@@ -393,3 +393,64 @@ def test_the_default_draft_head_is_the_measured_best_where_the_vocabulary_is_lar
     assert auto.draft_rows(259) == 0  # a tiny model keeps its full head rather than being refused
     assert ExactDecoding(draft_vocab=0).draft_rows(262_144) == 0
     assert "where the vocabulary is larger" in auto.describe()
+
+
+def test_bench_on_a_prompts_file_times_every_contender_per_category_against_generate(capsys, model_dir, tmp_path):
+    from pathlib import Path
+
+    questions = Path(__file__).parent / "data" / "questions.jsonl"
+    out_file = tmp_path / "prompts.json"
+    code, out, _ = run_cli(capsys, "bench", "--model", model_dir, "--device", "cpu", "--dtype", "float32",
+                           "--prompts", str(questions), "--part", "test", "--exact", "--max-new-tokens", "10",
+                           "--repeats", "2", "--draft-k", "3", "--draft-vocab", "0", "--peer-lookup", "3",
+                           "--peer-early-exit", "2", "--output", str(out_file))
+    assert code == 0 and "speedup over generate" in out and "tokens per verify step" in out
+    result = json.loads(out_file.read_text())
+    assert result["prompts_file"]["ids"] == ["2", "4", "6"] and result["part"] == "test"
+    assert len(result["prompts_file"]["sha256"]) == 64 and result["dtype"] == "torch.float32"
+    assert [c["category"] for c in result["categories"]] == ["writing", "math", "summarization"]
+    labels = ["generate", "generate + lookup 3", "generate + early exit 2", "full", "exact k<=3 +lookup, full head"]
+    assert result["contenders"] == labels
+    for prompt in result["prompts"]:
+        for label in labels:
+            cell = prompt["contenders"][label]
+            assert len(cell["seconds"]) == 2 and cell["vs_generate"] > 0 and cell["tokens_per_verify_step"] >= 1
+            assert cell["identical"], (prompt["id"], label)  # every one of them is exact in float32
+        assert prompt["contenders"]["generate"]["vs_generate"] == 1.0
+    overall = result["overall"]["contenders"]
+    assert overall["full"]["identical"] == 3 and overall["generate"]["tokens_per_verify_step"] == 1.0
+
+
+def test_bench_reports_a_peer_the_model_refuses_instead_of_crashing(capsys, model_dir, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    import skipkey.quality.prompt_bench as prompt_bench
+
+    real = prompt_bench._run_generate
+
+    def refuse_early_exit(loaded, ids, settings, options):
+        if "assistant_early_exit" in options:
+            raise ValueError("this model has no early-exit head")
+        return real(loaded, ids, settings, options)
+
+    monkeypatch.setattr(prompt_bench, "_run_generate", refuse_early_exit)
+    code, out, _ = run_cli(capsys, "bench", "--model", model_dir, "--device", "cpu", "--prompts",
+                           str(Path(__file__).parent / "data" / "questions.jsonl"), "--part", "validation",
+                           "--per-category", "1", "--categories", "math", "--exact", "--max-new-tokens", "6",
+                           "--repeats", "1", "--draft-k", "2", "--output", str(tmp_path / "r.json"))
+    assert code == 0 and "generate + early exit 9: not supported by this model" in out
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert "no early-exit head" in result["refused"]["generate + early exit 9"]
+    assert "generate + early exit 9" not in result["overall"]["contenders"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompts", "/nowhere/q.jsonl"], "prompts file /nowhere/q.jsonl does not exist"),
+    (["--prompts", "QUESTIONS", "--categories", "poetry"], "has no category 'poetry'"),
+])
+def test_bench_refuses_a_bad_prompts_file_before_loading_a_model(capsys, argv, message):
+    from pathlib import Path
+
+    argv = [str(Path(__file__).parent / "data" / "questions.jsonl") if a == "QUESTIONS" else a for a in argv]
+    code, _, err = run_cli(capsys, "bench", "--model", "/no/such/model", *argv)
+    assert code == 2 and message in err.strip().splitlines()[-1]

@@ -64,13 +64,11 @@ class StepEvent:
     prompt_lengths: tuple[int, ...] | None = None  # on the first event only
     logprobs: tuple[float, ...] | None = None  # of the forced tokens, when teacher forcing
     greedy: tuple[int, ...] | None = None  # the model's own argmax where a token was forced
-    # Exact decoding (``skipkey.skipdecode.exact``), on the first token of each verify step only: the tokens
-    # drafted, how many of them each row's full model agreed with, the layers each token the SkipDecode model
-    # drafted ran, and where the draft came from ("layers", "lookup": prompt lookup, None: a plain step).
+    # Exact decoding, on each verify step's first token (``skipkey.skipdecode.exact.ExactDecoding.decode``).
     drafted: int | None = None
     accepted: tuple[int, ...] | None = None
     draft_layers: tuple[tuple[int, ...], ...] | None = None
-    draft_seconds: float | None = None  # of the verify step's time, the drafting (the rest is the verify forward)
+    draft_seconds: float | None = None
     draft_source: str | None = None
 
 

@@ -55,7 +55,7 @@ from skipkey.core.cache import KVCache
 from skipkey.core.gemm import linear_weight_rows
 from skipkey.errors import InputError
 from skipkey.skipdecode.draft_vocab import DEFAULT_DRAFT_VOCAB, token_ranking
-from skipkey.skipdecode.drafting import PACES, PLAIN, Cycle, PromptLookup, StepCosts
+from skipkey.skipdecode.drafting import PACES, Cycle, PromptLookup, StepCosts
 
 DRAFT_K_CAP = 16  # drafted tokens per verify step; beyond it the acceptance a^k makes more drafting pointless
 
@@ -98,6 +98,12 @@ class ExactDecoding:
         head = (f", {self.draft_vocab}-token draft head" if self.draft_vocab else "" if self.draft_vocab == 0 else
                 f", {DEFAULT_DRAFT_VOCAB}-token draft head where the vocabulary is larger")
         return f"exact (verified), {k}{head}{', prompt lookup' if self.lookup else ''}"
+
+    def label(self) -> str:
+        """A table column's name: ``exact k<=4 +lookup``, ``exact k=3, full head``."""
+        head = "" if self.draft_vocab is None else ", full head" if self.draft_vocab == 0 else \
+            f", {self.draft_vocab // 1024}k head"
+        return f"exact k{'<=' if self.pace == 'measured' else '='}{self.draft_k}{' +lookup' if self.lookup else ''}{head}"
 
     # -- the edge ----------------------------------------------------------------
     def validate(self, engine) -> None:
@@ -144,6 +150,7 @@ class ExactDecoding:
         costs = StepCosts()
         pace = PACES[self.pace](self.draft_k, PromptLookup() if self.lookup else None, costs, num_layers)
         texts = _Texts(batch, total_steps) if self.lookup else None
+        run = _Run(engine, cache, plan, pace)
         next_pos = torch.tensor(batch.lengths, device=token.device)
         step = 1
         while step < total_steps:
@@ -157,8 +164,7 @@ class ExactDecoding:
             depth = len(plan.layer_set(step - 1)) if plan is not None else num_layers
             cap = total_steps - step - 1
             cycle = pace.choose(cap, texts.propose(live, LOOKUP_CAP) if texts is not None else None, depth)
-            drafted, draft_layers, probabilities = self._drafts(engine, cache, feed, next_pos, plan, step, cycle,
-                                                                live, pace)
+            drafted, draft_layers, probabilities = self._drafts(run, feed, next_pos, step, cycle, live)
             drafting = time.perf_counter()
             greedy = self.verify(engine, cache, torch.cat([feed[:, None], drafted], dim=1), next_pos)
             own = accepted_prefix(drafted, greedy[:, :-1])
@@ -183,19 +189,21 @@ class ExactDecoding:
             next_pos = next_pos + count
             step += count
 
-    def _drafts(self, engine, cache, feed, next_pos, plan, step: int, cycle: Cycle, live: list[bool], pace):
+    def _drafts(self, run: "_Run", feed, next_pos, step: int, cycle: Cycle, live: list[bool]):
         """The cycle's drafted tokens ``[B, k]``, the layer set of each SkipDecode-drafted one, and their draft
         probabilities (the lowest of the live rows')."""
         if cycle.source == "lookup":
             return torch.tensor(cycle.tokens, dtype=torch.long, device=feed.device), (), []
         if cycle.source == "layers":
-            return self.draft(engine, cache, feed, next_pos, plan, step, cycle.count, live, pace)
+            return self.draft(run, feed, next_pos, step, cycle.count, live)
         return torch.empty(feed.shape[0], 0, dtype=torch.long, device=feed.device), (), []
 
-    def draft(self, engine, cache: KVCache, token, positions, plan, step: int, k: int, live: list[bool], pace
+    @staticmethod
+    def draft(run: "_Run", token, positions, step: int, k: int, live: list[bool]
               ) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...], list[float]]:
-        """Up to ``k`` greedy tokens from the SkipDecode model, its cache entries taken back afterwards; ``pace``
+        """Up to ``k`` greedy tokens from the SkipDecode model, its cache entries taken back afterwards; the pace
         may stop it earlier. Token ``step + j`` is fed through ``E(step + j - 1)``, as plain SkipDecode would."""
+        engine, cache, plan = run.engine, run.cache, run.plan
         head = _HEADS[engine]  # made by ``decode`` before its first draft
         num_layers = engine.full_arch.num_layers
         written = [0] * num_layers
@@ -215,7 +223,7 @@ class ExactDecoding:
             drafted.append(token)
             layer_sets.append(layers)
             probabilities.append(float(confidence[rows].min()) if bool(rows.any()) else 1.0)
-            if j + 1 < k and not pace.keep_drafting(j + 1, probabilities[-1]):
+            if j + 1 < k and not run.pace.keep_drafting(j + 1, probabilities[-1]):
                 break
         for layer, count in zip(cache.layers, written):
             layer.rollback(count)
@@ -252,6 +260,16 @@ class ExactDecoding:
 
 
 LOOKUP_CAP = 8  # the most tokens a prompt-lookup proposal puts into one verify forward
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every cycle of one exact run shares: the engine, its cache, the SkipDecode plan and the pace."""
+
+    engine: object
+    cache: KVCache
+    plan: object
+    pace: object
 _HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # each engine's draft head, built on first use
 
 
