@@ -388,8 +388,8 @@ def test_the_default_draft_head_is_the_measured_best_where_the_vocabulary_is_lar
     from skipkey.skipdecode.draft_vocab import DEFAULT_DRAFT_VOCAB
 
     auto = ExactDecoding()
-    assert auto.draft_k == 3 and auto.draft_vocab is None
-    assert auto.draft_rows(262_144) == DEFAULT_DRAFT_VOCAB == 32768  # the embedded model: 1.52x measured
+    assert (auto.draft_k, auto.pace, auto.lookup, auto.draft_vocab) == (4, "measured", True, None)
+    assert auto.draft_rows(262_144) == DEFAULT_DRAFT_VOCAB == 32768
     assert auto.draft_rows(259) == 0  # a tiny model keeps its full head rather than being refused
     assert ExactDecoding(draft_vocab=0).draft_rows(262_144) == 0
     assert "where the vocabulary is larger" in auto.describe()
@@ -454,3 +454,26 @@ def test_bench_refuses_a_bad_prompts_file_before_loading_a_model(capsys, argv, m
     argv = [str(Path(__file__).parent / "data" / "questions.jsonl") if a == "QUESTIONS" else a for a in argv]
     code, _, err = run_cli(capsys, "bench", "--model", "/no/such/model", *argv)
     assert code == 2 and message in err.strip().splitlines()[-1]
+
+
+def test_a_divergence_within_rounding_is_marked_a_numerical_tie(tiny_models):
+    """The verify records its two best logits' gap per token when recording; the page calls a divergence
+    where that gap is within ``TIE_TOLERANCE`` a numerical tie."""
+    import dataclasses
+
+    from skipkey.serving.comparison import agreement_summary
+    from skipkey.skipdecode.exact import TIE_TOLERANCE
+
+    with never_ending(tiny_models("llama")) as lm:
+        engine = Engine(lm, skip=make_skipdecode(lm.num_layers, 11, target=2.0), exact=ExactDecoding(3))
+        trace = Trace.for_engine(engine)
+        for event in engine.generate([LONG], GenerationSettings(max_new_tokens=12), record=True):
+            trace.add(event)
+        full = Trace.collect(Engine(lm), [LONG], GenerationSettings(max_new_tokens=12))
+    assert all(e.margin is not None and e.margin[0] >= 0 for e in trace.events[1:])
+    assert "no divergence" in agreement_summary(full, trace)
+    flipped = dataclasses.replace(trace.events[5], tokens=(trace.events[5].tokens[0] + 1,))
+    for margin, tie in ((TIE_TOLERANCE / 2, True), (TIE_TOLERANCE * 4, False)):
+        trace.events[5] = dataclasses.replace(flipped, margin=(margin,))
+        text = agreement_summary(full, trace, lm.tokenizer)
+        assert "first divergence at token 5" in text and ("numerical tie" in text) is tie

@@ -64,12 +64,14 @@ class StepEvent:
     prompt_lengths: tuple[int, ...] | None = None  # on the first event only
     logprobs: tuple[float, ...] | None = None  # of the forced tokens, when teacher forcing
     greedy: tuple[int, ...] | None = None  # the model's own argmax where a token was forced
-    # Exact decoding, on each verify step's first token (``skipkey.skipdecode.exact.ExactDecoding.decode``).
+    # Exact decoding, on each verify step's first token (``skipkey.skipdecode.exact.ExactDecoding.decode``), and
+    # when recording on every token: the verify's gap between its two best logits there (``margin``).
     drafted: int | None = None
     accepted: tuple[int, ...] | None = None
     draft_layers: tuple[tuple[int, ...], ...] | None = None
     draft_seconds: float | None = None
     draft_source: str | None = None
+    margin: tuple[float, ...] | None = None
 
 
 def logits_processors(settings: GenerationSettings) -> LogitsProcessorList:
@@ -407,10 +409,8 @@ class _EventBuilder:
     """Turns each step's tokens into a ``StepEvent``: text deltas, finished rows, what the caches keep."""
 
     def __init__(self, engine: Engine, rows: int, settings: GenerationSettings, cache: KVCache, record: bool):
-        self.pad_id, self.eos_ids = engine.pad_id, engine.eos_ids
-        self.settings = settings
-        self.cache = cache
-        self.record = record
+        self.pad_id, self.eos_ids, self.settings, self.cache, self.record = (engine.pad_id, engine.eos_ids, settings,
+                                                                             cache, record)
         self.detok = _Detokenizer(engine.tokenizer, rows)
         self.finished = [False] * rows
 

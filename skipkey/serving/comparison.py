@@ -21,6 +21,7 @@ from skipkey.errors import InputError
 from skipkey.quality.metrics import (Acceptance, Compute, Speed, Transfer, acceptance, agreement, compute, kv_share,
                                      memory, rouge_l, speed, traffic, transfer)
 from skipkey.serving.request import ComparisonRequest, fmt
+from skipkey.skipdecode.exact import TIE_TOLERANCE
 
 def prompt_token_texts(loaded: LoadedModel, prompt: str) -> list[str]:
     """Each prompt token as text, as the engine encodes the prompt (the retention heatmap's labels)."""
@@ -157,6 +158,11 @@ def agreement_summary(full: Trace, accelerated: Trace, tokenizer=None, final: bo
         text += f" · first divergence at token {i}"
         if tokenizer is not None and i < min(len(reference), len(candidate)):
             text += f" ({tokenizer.decode([reference[i]])!r} vs {tokenizer.decode([candidate[i]])!r})"
+        margin = accelerated.events[i].margin if i < len(accelerated.events) else None
+        if margin is not None and margin[0] <= TIE_TOLERANCE:
+            text += (f": a numerical tie, not a difference (the full model's two best logits there are "
+                     f"{margin[0]:.3f} apart, within rounding of {TIE_TOLERANCE:g}; a verify forward rounds "
+                     "several positions at once)")
     if final:
         text += f" · ROUGE-L **{rouge_l(full.text(), accelerated.text()):.2f}**"
     return text

@@ -58,6 +58,10 @@ from skipkey.skipdecode.draft_vocab import DEFAULT_DRAFT_VOCAB, token_ranking
 from skipkey.skipdecode.drafting import PACES, Cycle, PromptLookup, StepCosts
 
 DRAFT_K_CAP = 16  # drafted tokens per verify step; beyond it the acceptance a^k makes more drafting pointless
+# A verify forward computes several positions in one matmul and can round a near-tie between the full model's two
+# best logits the other way from one position at a time (bfloat16: a logit of ~20 is rounded to 1/8). A divergence
+# from the full model where the verify's two best logits were within this is a numerical tie, not a difference.
+TIE_TOLERANCE = 0.25
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,8 @@ class ExactDecoding:
             cycle = pace.choose(cap, texts.propose(live, LOOKUP_CAP) if texts is not None else None, depth)
             drafted, draft_layers, probabilities = self._drafts(run, feed, next_pos, step, cycle, live)
             drafting = time.perf_counter()
-            greedy = self.verify(engine, cache, torch.cat([feed[:, None], drafted], dim=1), next_pos)
+            greedy, margins = self.verify(engine, cache, torch.cat([feed[:, None], drafted], dim=1), next_pos,
+                                          events.record)
             own = accepted_prefix(drafted, greedy[:, :-1])
             shared = int(own[torch.tensor(live, device=own.device)].min()) if any(live) else 0
             cache_rollback(cache, drafted.shape[1] - shared)
@@ -182,7 +187,8 @@ class ExactDecoding:
                 extra = dict(drafted=drafted.shape[1], accepted=tuple(own.tolist()), draft_layers=draft_layers,
                              draft_seconds=drafting - started,
                              draft_source=None if cycle.source == "plain" else cycle.source) if i == 0 else {}
-                yield dataclasses.replace(event, seconds=seconds, **extra)
+                margin = None if margins is None else tuple(margins[:, i].tolist())
+                yield dataclasses.replace(event, seconds=seconds, margin=margin, **extra)
                 if events.all_finished:
                     return
             token = greedy[:, shared]
@@ -230,9 +236,11 @@ class ExactDecoding:
         return torch.stack(drafted, dim=1), tuple(layer_sets), probabilities
 
     @staticmethod
-    def verify(engine, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def verify(engine, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, margins: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The full model over ``tokens`` ([B, q], the first at ``positions``) in one forward: its greedy
-        token after each, ``[B, q]``. Writes every layer's keys and values of all ``q``."""
+        token after each, ``[B, q]``, and (with ``margins``) the gap between its two best logits there. Writes
+        every layer's keys and values of all ``q``."""
         arch = engine.full_arch
         pos = positions[:, None] + torch.arange(tokens.shape[1], device=positions.device)
         hidden = arch.embed(tokens, pos)
@@ -240,7 +248,11 @@ class ExactDecoding:
         state = StepState(cache=cache, query_positions=pos, dense=True)
         for idx in range(arch.num_layers):
             hidden = arch.run_layer(idx, hidden, layer_kwargs[idx], state=state)
-        return arch.head(hidden).argmax(dim=-1)
+        logits = arch.head(hidden)
+        if not margins:
+            return logits.argmax(dim=-1), None
+        top = logits.topk(2, dim=-1).values  # the token stays argmax's (on an exact tie, the first, as generate's)
+        return logits.argmax(dim=-1), (top[..., 0] - top[..., 1]).cpu()
 
     def draft_rows(self, vocab: int) -> int:
         """The draft head's rows for a model of ``vocab`` tokens (0: the full head)."""
@@ -340,4 +352,4 @@ class DraftHead:
         return found
 
 
-__all__ = ["DRAFT_K_CAP", "LOOKUP_CAP", "DraftHead", "ExactDecoding", "accepted_prefix", "cache_rollback"]
+__all__ = ["DRAFT_K_CAP", "LOOKUP_CAP", "TIE_TOLERANCE", "DraftHead", "ExactDecoding", "accepted_prefix", "cache_rollback"]
