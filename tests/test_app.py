@@ -175,29 +175,29 @@ def test_the_edge_covers_every_mode():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(max_new_tokens=0), "max_new_tokens must be in 1..2048"),
+    (dict(max_new_tokens=0), "max_new_tokens must be in 1..512, got 0"),
     (dict(max_new_tokens="many"), "max_new_tokens must be a whole number"),
     (dict(max_new_tokens=2.5), "max_new_tokens must be a whole number"),
-    (dict(temperature=0), "temperature must be in (0.0, 10.0]"),
-    (dict(seed=-1), "seed must be in"),
+    (dict(temperature=0), "temperature must be in [0.05, 2.0], got 0.0"),
+    (dict(seed=-1), "seed must be in 0..2147483647, got -1"),
     (dict(decoding="beam"), "decoding must be one of greedy, sample"),
     (dict(b_min=5, b_max=4), "b_min must be an integer from 2"),
     (dict(b_max=7), "b_max must be an integer from 2 (warmup + 1) to 6"),
     (dict(warmup=6), "warmup must be an integer from 0 to 5"),
-    (dict(horizon=-1), "horizon must be an integer >= 0"),
-    (dict(hold=-1), "hold must be an integer >= 0"),
-    (dict(hold=2.5), "hold must be an integer >= 0 (steps at b_max before the decay), got 2.5"),
+    (dict(horizon=-1), "horizon must be in 0..512, got -1"),
+    (dict(hold=-1), "hold must be in 0..512, got -1"),
+    (dict(hold=2.5), "hold must be a whole number, got 2.5"),
     (dict(set_by="target speedup", target_speedup=9), "target speedup must be from 1 to 6.00"),
-    (dict(set_by="guess"), "set SkipDecode by must be one of"),
-    (dict(schedule="cubic"), "schedule kind must be one of linear, power, constant"),
-    (dict(schedule="power", exponent=0), "exponent must be a finite number > 0"),
-    (dict(layer_policy="bottom"), "unknown layer policy 'bottom'"),
-    (dict(kv_policy="lru"), "unknown KV policy 'lru'"),
-    (dict(kv_budget_pct=0), "KV budget 0.0 is invalid"),
-    (dict(kv_recent_pct=150), "KV recent-window share must be in [0.0, 1.0]"),
-    (dict(tau_init=0), "tau_init must be in (0.0, 100.0]"),
-    (dict(skip_on="yes"), "SkipDecode on/off must be true or false"),
-    (dict(kv_on=None), "KV eviction on/off must be true or false"),
+    (dict(set_by="guess"), "set_by must be one of layers, target speedup; got 'guess'"),
+    (dict(schedule="cubic"), "schedule must be one of linear, power, constant; got 'cubic'"),
+    (dict(schedule="power", exponent=0), "exponent must be in [0.25, 4.0], got 0.0"),
+    (dict(layer_policy="bottom"), "layer_policy must be one of top, importance; got 'bottom'"),
+    (dict(kv_policy="lru"), "kv_policy must be one of snapkv, tova, keyformer, h2o, streaming, window; got 'lru'"),
+    (dict(kv_budget_pct=0), "kv_budget_pct must be in [1, 100], got 0.0"),
+    (dict(kv_recent_pct=150), "kv_recent_pct must be in [0, 100], got 150.0"),
+    (dict(tau_init=0), "tau_init must be in [0.1, 5.0], got 0.0"),
+    (dict(skip_on="yes"), "skip_on must be true or false, got 'yes'"),
+    (dict(kv_on=None), "kv_on must be true or false, got None"),
     (dict(prompt=None), "prompt must be text"),
 ])
 def test_each_bad_value_gets_a_clear_message(changes, message):
@@ -212,13 +212,39 @@ def test_a_kv_budget_above_100_percent_is_refused_not_read_as_tokens(percent):
     and names the allowed range in its own unit."""
     with pytest.raises(InputError) as error:
         request_for(kv_budget_pct=percent)
-    assert "KV budget must be in (0, 100] % of the prompt" in str(error.value)
+    assert "kv_budget_pct must be in [1, 100]" in str(error.value)
     assert request_for(kv_budget_pct=100).kv.budget == 1.0
 
 
-def test_off_switches_skip_the_checks_of_what_is_off():
-    assert request_for(skip_on=False, b_min=99).skip is None
-    assert request_for(kv_on=False, kv_budget_pct=0).kv is None
+# Per control: a value its declaration refuses (out of range, not a choice, not its type).
+OUT_OF_BOUNDS = dict(prompt=7, model=None, max_new_tokens=513, decoding="beam", temperature=2.5, seed=-1,
+                     skip_on="yes", layer_policy="bottom", schedule="cubic", set_by="guess", b_max=65, b_min=1,
+                     horizon=513, warmup=64, exponent=0.1, target_speedup=33, kv_on=1, kv_policy="full",
+                     kv_budget_pct=0, kv_recent_pct=101, tau_init=0, tau_end=5.5, kv_observe=513, kv_pool=16,
+                     kv_normalize="no", tuned=None, hold=-3, exact="on", draft_k=5, draft_head="32 tokens")
+
+
+def test_every_control_is_checked_whether_the_settings_use_it_or_not():
+    """#45: ``schedule="cubic"`` and ``hold=-3`` were accepted while a target speedup set the schedule, and the
+    options of a method that is off were never read. Each control's declared bounds hold always."""
+    assert set(OUT_OF_BOUNDS) == set(edge.CONTROLS)
+    nothing_used = dict(skip_on=False, kv_on=False, exact=False, decoding="greedy")
+    for name, bad in OUT_OF_BOUNDS.items():
+        for setting in (dict(set_by="target speedup"), nothing_used):
+            with pytest.raises(InputError) as error:
+                request_for(**{**setting, name: bad})
+            assert str(error.value).startswith(f"{name} must be "), (name, str(error.value))
+    # Within its declaration a value is refused only where it is used and does not fit: b_max of 18 on this
+    # 6-layer model, while a target speedup sets the schedule.
+    assert request_for(set_by="target speedup", b_max=18).skip is not None
+    with pytest.raises(InputError, match="b_max must be an integer from 2"):
+        request_for(set_by="layers", b_max=18)
+
+
+def test_the_edge_types_the_values_clients_send():
+    checked = edge.check_controls(dataclasses.replace(CONTROLS, max_new_tokens="12", seed=7.0, temperature="0.5"))
+    assert (checked.max_new_tokens, checked.seed, checked.temperature) == (12, 7, 0.5)
+    assert type(checked.max_new_tokens) is int and type(checked.temperature) is float
 
 
 # -- the comparison -------------------------------------------------------------------
@@ -290,7 +316,7 @@ def test_retention_slider_shows_any_step(handlers):
     (dict(max_new_tokens=-3), "max_new_tokens must be in"),
     (dict(prompt="   "), "the prompt is empty"),
     (dict(prompt="x" * 1100), "exceeds the model's context of 1024 tokens"),
-    (dict(kv_budget_pct="lots"), "KV budget must be a number"),
+    (dict(kv_budget_pct="lots"), "kv_budget_pct must be a number, got 'lots'"),
 ])
 def test_bad_requests_get_a_gradio_error(handlers, changes, message):
     with pytest.raises(gr.Error) as error:
@@ -396,7 +422,7 @@ def test_schedule_preview_never_runs_the_model(handlers, monkeypatch):
     assert list(held.data[1].y)[:5] == [6] * 5 and list(held.data[1].y) != list(fig.data[1].y)
     bad = preview("embedded", "linear", "layers", 6, 9, 10)
     assert "b_min must be" in bad.layout.annotations[0].text
-    target = preview("embedded", "power", "target speedup", None, None, None, target_speedup=2.0)
+    target = preview("embedded", "power", "target speedup", 6, 3, 10, target_speedup=2.0)
     assert "nominal speedup" in target.layout.title.text
     # A target takes the measured-best shape: the kind radio (hidden in that mode) does not count.
     shape = measured_best_shape(2.0, "top").schedule(2.0, 6, 19)
@@ -486,7 +512,7 @@ def test_tuned_weights_are_refused_for_a_model_without_an_adapter(tiny):
     assert ready.tuned == {"__type__": "update", "interactive": False, "value": False}
     with pytest.raises(gr.Error, match="no SkipDecode-tuned adapter here"):
         run(handlers, max_new_tokens=4, tuned=True)
-    with pytest.raises(gr.Error, match="tuned weights on/off must be true or false"):
+    with pytest.raises(gr.Error, match="tuned must be true or false"):
         run(handlers, max_new_tokens=4, tuned="yes")
     assert run(handlers, max_new_tokens=4, tuned=False)[-1].status.startswith("**Done**")
 
@@ -763,12 +789,12 @@ def test_exact_mode_builds_an_exact_decoding_at_the_edge():
     (dict(kv_on=True), "KV eviction"),
     (dict(decoding="sample"), "greedy only"),
     (dict(skip_on=False), "turn SkipDecode on"),
-    (dict(draft_k=0), "draft k"),
-    (dict(draft_k=edge.DRAFT_K_CAP + 1), "draft k"),
-    (dict(draft_k=edge.APP_DRAFT_K_MAX + 1), r"draft k must be in 1\.\.4"),  # the page offers what was measured
+    (dict(draft_k=0), "draft_k"),
+    (dict(draft_k=edge.DRAFT_K_CAP + 1), "draft_k"),
+    (dict(draft_k=edge.APP_DRAFT_K_MAX + 1), r"draft_k must be in 1\.\.4"),  # the page offers what was measured
     (dict(draft_k=2.5), "whole number"),
-    (dict(draft_head="half"), "draft head"),
-    (dict(exact="yes"), "exact on/off"),
+    (dict(draft_head="half"), "draft_head must be one of"),
+    (dict(exact="yes"), "exact must be true or false"),
 ])
 def test_exact_mode_refuses_what_it_cannot_verify(changes, message):
     with pytest.raises(InputError, match=message):
