@@ -285,8 +285,11 @@ def test_compare_streams_then_returns_everything(handlers):
     outputs = run(handlers, max_new_tokens=12)
     assert "Generating" in outputs[0].status
     (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, acceptance_fig, retention_fig, step,
-     diff, download, state) = outputs[-1]
+     diff, download, key_figures, state) = outputs[-1]
     assert status.startswith("**Done**") and full_text and skip_text
+    # Under both texts, in the first screen: SkipKey's speedups and the KV cache it held (no acceptance: not exact).
+    assert "measured **" in key_figures and "nominal **" in key_figures and "KV cache held **" in key_figures
+    assert "acceptance" not in key_figures
     assert "tokens/s" in full_md and "ms/token" in full_md and "first token" in full_md and "MB" in full_md
     assert "layers/token" in skip_md and "nominal speedup" in skip_md and "measured" in skip_md
     assert "% of full" in skip_md
@@ -824,3 +827,161 @@ def test_the_exact_preset_quotes_the_exact_bench_or_says_it_is_not_measured(tmp_
     assert "1.37x" in line and "2.25 tokens per verify step" in line and presets.EXACT_BENCH_FILE in line
     request = build_request(6, dataclasses.replace(Controls(layer_policy="top"), **preset.changes))
     assert request.exact == preset.exact and request.kv is None and not request.settings.do_sample
+
+
+# -- ZeroGPU: each run is a spaces.GPU call in a forked worker ------------------------------------------------------
+def wired(demo, api_name: str):
+    """The function the page wires to ``api_name``: what ZeroGPU's decorator would wrap."""
+    return next(block.fn for block in demo.fns.values() if block.api_name == api_name)
+
+
+def round_trip(value):
+    """``value`` through pickle, as ZeroGPU sends each argument to its worker and each value back."""
+    import pickle
+
+    return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def test_the_gpu_calls_pickle_every_argument_and_every_value_they_yield(handlers):
+    """ZeroGPU pickles what a ``spaces.GPU`` function takes and yields (and a gr.Error it raises) between the
+    server and its forked GPU worker: a value that does not pickle fails the run on a Space only."""
+    from starlette.requests import Request
+
+    demo = app.build_demo(handlers)
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"host", b"space")], "query_string": b"",
+             "client": ("127.0.0.1", 1), "server": ("space", 443), "scheme": "https", "root_path": ""}
+    request = gr.Request(request=Request(scope), session_hash="zero")
+    for api_name, changes in (("compare", dict(max_new_tokens=6)),
+                              ("compare", dict(kv_on=False, exact=True, draft_head="full head")),
+                              ("metrics", dict(max_new_tokens=5))):
+        controls = dataclasses.replace(CONTROLS, **changes)
+        args = [getattr(controls, name) for name in edge.CONTROLS]
+        assert round_trip(args) == args and round_trip(request).session_hash == "zero"
+        result = wired(demo, api_name)(*args, request=request)
+        if api_name == "metrics":
+            assert round_trip(result) == result and result["status"].startswith("**Done**")
+            continue
+        yielded = list(result)
+        for value in yielded:
+            copy = round_trip(value)
+            assert type(copy) is type(value) and copy._fields == value._fields
+        final = round_trip(yielded[-1])
+        assert final.status.startswith("**Done**") and final.skip_text == yielded[-1].skip_text
+        assert final.last_run[0].tokens() == yielded[-1].last_run[0].tokens()
+    with pytest.raises(gr.Error) as refused:
+        list(wired(demo, "compare")(*[getattr(dataclasses.replace(CONTROLS, hold=-3), n) for n in edge.CONTROLS]))
+    assert round_trip(refused.value).message == refused.value.message
+
+
+def test_the_gpu_time_is_asked_with_the_runs_own_arguments(handlers):
+    """spaces.GPU calls a duration function with the decorated function's arguments: the same signature."""
+    demo = app.build_demo(handlers)
+    duration = app.controls_function(handlers.gpu_seconds, tuple(edge.CONTROLS), request=True,
+                                     defaults=handlers.defaults())
+    assert inspect.signature(duration) == inspect.signature(wired(demo, "compare"))
+    list(handlers.select_model("embedded"))
+    args = [getattr(CONTROLS, name) for name in edge.CONTROLS]
+    short = duration(*args, request=None)
+    longer = duration(*[getattr(dataclasses.replace(CONTROLS, max_new_tokens=400, exact=True, kv_on=False), n)
+                        for n in edge.CONTROLS])
+    assert 20 <= short < longer <= 120
+
+
+def test_zerogpu_places_the_models_on_the_calling_thread(tiny, tiny_adapter):
+    """ZeroGPU emulates CUDA only on the thread that imported ``spaces``: the models load there, not in the
+    background, and later requests find them loaded."""
+    threads = []
+    cache = ModelCache(lambda name: threads.append(threading.current_thread()) or tiny,
+                       adapters={"embedded": tiny_adapter})
+    assert cache.load_now("embedded") is tiny and threads == [threading.current_thread()]
+    tuned = cache.load_now("embedded", tuned=True)
+    assert cache.loaded("embedded") is tiny and cache.tuned_future("embedded").result() is tuned
+    assert threads == [threading.current_thread()], "the tuned copy is made from the loaded base"
+
+
+# -- the API: its page, /metrics and MCP --------------------------------------------------------------------------
+def test_the_api_page_lists_every_parameter_as_declared():
+    from pathlib import Path
+
+    from experiments.api_table import table
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    quoted = re.search(r"<!-- api-table:start -->\n(.*?)\n<!-- api-table:end -->", text, flags=re.S)
+    assert quoted, "docs/api.md marks its parameter table"
+    assert quoted.group(1).strip() == table().strip(), "rerun: python -m experiments.api_table"
+    rows = table().splitlines()[2:]
+    assert [row.split("`")[1] for row in rows] == list(edge.CONTROLS)
+    assert "| `hold` | whole number in 0..512 | `0` |" in table()
+    assert "| `schedule` | `linear` / `power` / `constant` |" in table()
+
+
+def test_the_api_functions_describe_each_parameter_for_an_agent(handlers):
+    """Gradio builds the API page's and MCP tools' descriptions from the docstring: every parameter has its line."""
+    from gradio.utils import get_function_description
+
+    demo = app.build_demo(handlers)
+    for api_name in ("compare", "metrics"):
+        description, parameters, returns = get_function_description(wired(demo, api_name))
+        assert description and returns
+        assert list(parameters) == [*edge.CONTROLS, "request"]
+        assert all(parameters[name] for name in edge.CONTROLS), api_name
+        assert "whole number in 0..512; default 0" in parameters["hold"]
+
+
+def test_metrics_runs_to_the_end_and_returns_json(handlers):
+    numbers = handlers.metrics(dataclasses.replace(CONTROLS, max_new_tokens=6))
+    assert json.loads(json.dumps(numbers, allow_nan=False)) == numbers
+    assert numbers["status"].startswith("**Done**") and len(numbers["full"]["tokens"]) == 6
+    assert "trace" not in numbers["full"] and numbers["skipkey"]["metrics"]["compute"]["mean_layers"] < 6
+    assert numbers["full"]["text"] == list(handlers.compare(dataclasses.replace(CONTROLS, max_new_tokens=6)))[-1].full_text
+    with pytest.raises(gr.Error, match="hold must be in 0..512, got -3"):
+        handlers.metrics(dataclasses.replace(CONTROLS, set_by="target speedup", hold=-3))
+
+
+# -- a run you can share: the page's link ------------------------------------------------------------------------
+def opened(handlers, query: dict):
+    """The last update of opening the page with ``query``: the status and each control's update by name."""
+    status, *updates = list(handlers.open_page(query))[-1]
+    return status, dict(zip(edge.CONTROLS, updates))
+
+
+def test_a_link_opens_the_page_at_its_settings(handlers):
+    status, updates = opened(handlers, {"prompt": "Hi there", "exact": "1", "draft_k": "2", "max_new_tokens": "9"})
+    assert "ready" in status and "Opened from a link: prompt, max_new_tokens, exact, draft_k" in status
+    assert (updates["prompt"], updates["exact"], updates["draft_k"]) == ("Hi there", True, 2)
+    assert updates["max_new_tokens"]["value"] == 9 and updates["max_new_tokens"]["maximum"] == 512
+    assert updates["b_max"] == gr.update(maximum=6, value=6), "what the link leaves out: the model's defaults"
+    assert updates["kv_on"] == gr.skip()
+
+
+@pytest.mark.parametrize("query, message", [
+    ({"skip_target": "2"}, "'skip_target', which is no setting here; allowed: prompt, model, max_new_tokens"),
+    ({"schedule": "cubic"}, "schedule must be one of linear, power, constant; got 'cubic' (in the link)"),
+    ({"set_by": "layers", "b_max": "9"}, "b_max must be an integer from 2 (warmup + 1) to 6 (the model's layers)"),
+    ({"model": "gpt2"}, "model 'gpt2' is not offered here; choose one of: embedded"),
+    ({"prompt": ""}, "the prompt is empty"),
+])
+def test_a_bad_link_leaves_the_defaults_and_says_what_is_allowed(handlers, query, message):
+    status, updates = opened(handlers, query)
+    assert "ready" in status and "**Refused** the page's link: " in status and message in status
+    assert all(updates[name] == gr.skip() for name in ("prompt", "schedule", "exact"))
+    assert updates["b_max"] == gr.update(maximum=6, value=6)
+    assert run(handlers, max_new_tokens=3)[-1].status.startswith("**Done**"), "the app keeps serving"
+
+
+def test_the_share_link_reopens_the_current_settings(handlers):
+    list(handlers.select_model("embedded"))
+    loaded = handlers.models.get("embedded")
+    current = dataclasses.replace(handlers.model_defaults("embedded", loaded), prompt="Hi", exact=True,
+                                  kv_on=False, draft_k=2, b_min=3)
+    query = handlers.share_link(current)
+    assert query.startswith("?") and "exact=1" in query and "b_max" not in query
+    from urllib.parse import parse_qsl
+
+    status, updates = opened(handlers, dict(parse_qsl(query[1:])))
+    reopened = {name: update["value"] if isinstance(update, dict) and "value" in update else update
+                for name, update in updates.items()}
+    assert all(reopened[name] == getattr(current, name) for name in edge.CONTROLS if reopened[name] != gr.skip())
+    assert {name for name in edge.CONTROLS if reopened[name] != gr.skip()} >= {"prompt", "exact", "draft_k", "b_min"}
+    with pytest.raises(gr.Error, match="hold must be in 0..512"):
+        handlers.share_link(dataclasses.replace(current, hold=-3))
