@@ -75,15 +75,15 @@ COMPARE_DOC = ("Compare the full model and SkipKey (SkipDecode early exit, KV-ca
 COMPARE_RETURNS = ("status, full model's text, its metrics, SkipKey's text, its metrics, SkipKey's text coloured "
                    "by layers (HTML), agreement, layer-usage figure, acceptance figure, retained-tokens figure, "
                    "last step, SkipKey's tokens marked where they differ, the run's JSON file, key figures")
-METRICS_DOC = ("Run one comparison of the full model and SkipKey to the end and return its metrics as JSON: both "
-               "texts; per side tokens/s, ms per token, time to first token and KV-cache MB; SkipKey's layers "
+METRICS_DOC = ("Run one comparison of the full model and SkipKey to the end and return its metrics as JSON text: "
+               "both texts; per side tokens/s, ms per token, time to first token and KV-cache MB; SkipKey's layers "
                "per token, nominal, compute and measured speedups, bytes-per-step ratio and exact mode's "
                "acceptance; token agreement, first divergence and ROUGE-L. Use it to measure what a setting "
                "costs and how far the text moves. Pass only what you change: every parameter defaults to the "
                "page's setting. A value out of range, or a setting that does not fit the model, is refused with "
                "a one-line message naming what is allowed.")
-METRICS_RETURNS = ("a JSON object: status, model, prompt, settings, generation, stopped, full and skipkey (each "
-                   "label, text, tokens, metrics), agreement (matching, first_divergence, rouge_l)")
+METRICS_RETURNS = ("JSON text of an object: status, model, prompt, settings, generation, stopped, full and skipkey "
+                   "(each label, text, tokens, metrics), agreement (matching, first_divergence, rouge_l)")
 
 
 def gpu(fn: Callable, duration: Callable | None = None) -> Callable:
@@ -187,7 +187,7 @@ class PageParts:
     target_note: gr.Markdown
     preview: gr.Plot
     metrics: gr.Button  # hidden: the trigger of the API's /metrics
-    metrics_json: gr.JSON
+    metrics_json: gr.Textbox
 
 
 def comparison_layout(handlers: Handlers, defaults: Controls, overrides: dict, status: gr.Markdown) -> tuple:
@@ -246,7 +246,7 @@ def page_layout(handlers: Handlers, defaults: Controls, status: gr.Markdown) -> 
                 label="Example prompts")
     outputs = details_layout(status, texts)
     metrics = gr.Button(visible=False)
-    metrics_json = gr.JSON(visible=False)
+    metrics_json = gr.Textbox(visible=False)
     parts = PageParts(prompt_info, *buttons, preset, preset_note, target_md, preview, metrics, metrics_json)
     return c, parts, outputs
 

@@ -227,9 +227,11 @@ class Handlers:
         return link_query(checked, self.model_defaults(checked.model, loaded) if loaded is not None else None)
 
     def defaults(self) -> Controls:
-        """The page's and the API's defaults: the default model, with its adapter's layer policy."""
+        """The page's and the API's defaults: the default model, with its adapter's layer policy (and tuned weights
+        off where it has no adapter, so that the defaults alone make a run)."""
         model, page = self.models.default, Controls()
-        return dataclasses.replace(page, model=model, layer_policy=self.models.policy(model) or page.layer_policy)
+        return dataclasses.replace(page, model=model, layer_policy=self.models.policy(model) or page.layer_policy,
+                                   tuned=page.tuned and self.models.has_tuned(model))
 
     def schedule_preview(self, controls: Controls):
         """The SkipDecode budget b(t) the sliders describe; never runs the model."""
@@ -304,9 +306,10 @@ class Handlers:
                                  final=True)._replace(status=self.done_line(run),
                                                       download=str(self.save_run(run.full, run.skipkey, run.request)))
 
-    def metrics(self, controls: Controls, request: gr.Request = None) -> dict:
-        """One comparison run to the end, as data: its record without the per-token trace (``record.run_record``)
-        and its status line. Refusals are the ``/compare`` API's."""
+    def metrics(self, controls: Controls, request: gr.Request = None) -> str:
+        """One comparison run to the end, as JSON text: its record without the per-token trace
+        (``record.run_record``) and its status line. Refusals are the ``/compare`` API's. Text, not a dict:
+        an MCP tool's answer is the output's text, and a dict's would be Python's repr."""
         stream = self._run(controls, request, show=False)
         while True:
             try:
@@ -316,7 +319,8 @@ class Handlers:
                 break
         if run is None:
             raise _user_error("the run was stopped before its first token")
-        return dict(status=self.done_line(run), **run_record(run.full, run.skipkey, run.request, traces=False))
+        record = dict(status=self.done_line(run), **run_record(run.full, run.skipkey, run.request, traces=False))
+        return json.dumps(record, allow_nan=False)
 
     def gpu_seconds(self, controls: Controls, request: gr.Request = None) -> int:
         """The GPU time a ZeroGPU Space asks for this comparison (``skipkey.serving.gpu_time``)."""

@@ -129,7 +129,7 @@ def meaning(name: str) -> str:
 
 def describe(name: str, defaults: Controls) -> str:
     """One control for a reader of the API, on one line: meaning, what is allowed, default."""
-    return f"{meaning(name)}; {allowed(name).replace('`', '')}; default {getattr(defaults, name)!r}"
+    return f"{meaning(name)}. Allowed: {allowed(name).replace('`', '')}. Default: {getattr(defaults, name)!r}."
 
 
 def api_table(defaults: Controls) -> str:
