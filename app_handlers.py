@@ -2,8 +2,9 @@
 
 ``app.py`` lays the page out and wires these to its components. Each handler
 reads the controls through the request edge (``skipkey.serving.request``), runs
-the comparison (``skipkey.serving.comparison``) and returns what the page shows,
-as ``ComparisonOutputs`` or ``ModelOutputs`` in the order of their components.
+the comparison (``skipkey.serving.comparison``) and returns what the page shows
+(``app_outputs``: ``ComparisonOutputs``, ``ModelOutputs``, ``PageOutputs``, in the
+order of their components), or, for API and MCP clients, a run's record as data.
 """
 
 from __future__ import annotations
@@ -12,27 +13,33 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import tempfile
 import threading
 import time
 import uuid
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping
 
 import gradio as gr
 
+from app_outputs import (OPTION_CONTROLS, ComparisonOutputs, ModelOutputs, PageOutputs, cleared_outputs,
+                         comparison_outputs, layer_slider_updates, model_defaults, option_visibility,
+                         retention_at_step, schedule_controls)
+from skipkey.core.loading import LoadedModel
+from skipkey.core.trace import Trace
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.quality import figures
-from skipkey.serving.comparison import (agreement_summary, compare, prompt_token_texts, recorded_step, side_metrics,
-                                        thin_history)
+from skipkey.serving.comparison import compare, prompt_token_texts
+from skipkey.serving.gpu_time import gpu_seconds
+from skipkey.serving.links import controls_from_link, link_query
 from skipkey.serving.models import ModelCache
 from skipkey.serving.presets import PRESETS, preset_cost, quality_limit, target_note
 from skipkey.serving.record import run_record
-from skipkey.serving.request import (CONTROLS, MAX_NEW_TOKENS_UI, REQUEST_SECONDS_ENV, AppLimits, Controls,
-                                     budget_summary, build_request, check_prompt, preview_schedule, prompt_tokens,
-                                     shown_options)
+from skipkey.serving.request import (CONTROLS, MAX_NEW_TOKENS_UI, REQUEST_SECONDS_ENV, AppLimits, ComparisonRequest,
+                                     Controls, budget_summary, build_request, check_controls, check_prompt,
+                                     preview_schedule, prompt_tokens)
 
 log = logging.getLogger("skipkey.app")
 
@@ -41,49 +48,23 @@ FIGURE_INTERVAL = 1.0  # ... and at most this often (s)
 TEXT_INTERVAL = 0.1  # stream text at most this often (s)
 # A finished run stays in its session for the step slider, bounded in time and in sessions held.
 STATE_TTL_S = 900
-# The options each decoding mode or KV policy may hide (request.shown_options says which apply).
-OPTION_CONTROLS = tuple(shown_options(Controls().decoding, Controls().kv_policy))
 PRESET_CONTROLS = tuple(name for name in CONTROLS if any(name in p.changes for p in PRESETS.values()))
+# Names the page's other modules take from here.
+__all__ = ["OPTION_CONTROLS", "PRESET_CONTROLS", "STATE_TTL_S", "ComparisonOutputs", "Handlers", "ModelOutputs",
+           "PageOutputs", "option_visibility", "retention_at_step", "schedule_controls"]
 
 
-class ComparisonOutputs(NamedTuple):
-    """What ``/compare`` updates, in order: the components, or the values a step sends them."""
+@dataclass(frozen=True)
+class FinishedRun:
+    """A comparison that made tokens: both traces and what the page and the record say of them."""
 
-    status: object
-    full_text: object
-    full_metrics: object
-    skip_text: object
-    skip_metrics: object
-    skip_html: object
-    agreement: object
-    layer_plot: object
-    acceptance_plot: object  # exact mode: which tokens the draft proposed and the full model kept
-    retention_plot: object
-    step: object
-    skip_diff: object  # SkipKey's text, each token marked where it differs from the full model's
-    download: object  # the finished run as a JSON file
-    last_run: object  # the session's finished run, for the step slider (not sent to API clients)
-
-    @classmethod
-    def status_only(cls, status: str) -> "ComparisonOutputs":
-        return cls(status, *(gr.skip(),) * (len(cls._fields) - 1))
-
-
-class ModelOutputs(NamedTuple):
-    """What choosing a model updates: the status and the controls that depend on its size."""
-
-    status: object
-    b_max: object
-    b_min: object
-    warmup: object
-    target_speedup: object
-    max_new_tokens: object
-    tuned: object
-    layer_policy: object  # the policy the model's adapter was trained with
-
-    @classmethod
-    def status_only(cls, status: str) -> "ModelOutputs":
-        return cls(status, *(gr.skip(),) * (len(cls._fields) - 1))
+    loaded: LoadedModel
+    request: ComparisonRequest
+    full: Trace
+    skipkey: Trace
+    prompt_texts: list[str]
+    prompt_count: int
+    timed_out: bool
 
 
 class RunningRequests:
@@ -123,17 +104,6 @@ def _session(request: gr.Request | None) -> str | None:
 def _user_error(message: str) -> gr.Error:
     """An error the user can act on: shown in the page and to API clients, not logged as a crash."""
     return gr.Error(message, print_exception=False)
-
-
-def layer_slider_updates(num_layers: int, warmup: int = 1) -> dict:
-    """Slider limits for a model with ``num_layers`` layers (b_max, b_min, warmup, target speedup)."""
-    return dict(
-        b_max=gr.update(maximum=num_layers, value=num_layers),
-        b_min=gr.update(maximum=num_layers, value=max(warmup + 1, (2 * num_layers) // 3)),
-        warmup=gr.update(maximum=num_layers - 1, value=min(warmup, num_layers - 1)),
-        target_speedup=gr.update(maximum=round(num_layers / (warmup + 1), 2),
-                                 value=min(1.5, num_layers / (warmup + 1))),
-    )
 
 
 class Handlers:
@@ -186,24 +156,82 @@ class Handlers:
         policy (the one its adapter was trained with) to it."""
         return (yield from status_on_error(self._select_model(model), ModelOutputs.status_only))
 
-    def _select_model(self, model):
+    def _select_model(self, model, values: Controls | None = None):
+        """``values``: the controls a link set, over the model's defaults (``None``: the defaults, keeping the
+        page's tuned switch and, for a model without an adapter, its layer policy)."""
         loaded = yield from self._wait_for_model(model, ModelOutputs.status_only)
         L = loaded.num_layers
         has_tuned, policy = self.models.has_tuned(model), self.models.policy(model)
+        fitted = self.model_defaults(model, loaded) if values is None else values
+        if values is not None or not has_tuned:
+            tuned = gr.update(interactive=has_tuned, value=fitted.tuned)
+        else:
+            tuned = gr.update(interactive=True)
         yield ModelOutputs(
             status=(f"**{model}** ready: {L} layers, context {loaded.context_length} tokens, "
                     f"{loaded.device.type} / {str(loaded.dtype).removeprefix('torch.')}"
                     + (f"; placed by accelerate ({loaded.placement.describe()})" if loaded.placement else "")
                     + ("; SkipDecode-tuned weights available" if has_tuned else "")),
-            **layer_slider_updates(L),
-            max_new_tokens=gr.update(maximum=min(MAX_NEW_TOKENS_UI, loaded.context_length - 1)),
-            tuned=gr.update(interactive=True) if has_tuned else gr.update(interactive=False, value=False),
-            layer_policy=gr.update(value=policy) if policy else gr.skip())
+            **layer_slider_updates(L, dataclasses.asdict(fitted)),
+            max_new_tokens=gr.update(maximum=min(MAX_NEW_TOKENS_UI, loaded.context_length - 1),
+                                     **({} if values is None else dict(value=values.max_new_tokens))),
+            tuned=tuned,
+            layer_policy=gr.update(value=fitted.layer_policy) if values is not None or policy else gr.skip())
+
+    def model_defaults(self, model: str, loaded: LoadedModel) -> Controls:
+        """The controls as choosing ``model`` sets them: the layer controls fitted to its size, the layer policy
+        its adapter was trained with, and its tuned weights where it has them."""
+        base = self.defaults()
+        return dataclasses.replace(base, model=model, **model_defaults(loaded.num_layers),
+                                   tuned=self.models.has_tuned(model),
+                                   layer_policy=self.models.policy(model) or base.layer_policy)
+
+    def open_page(self, query: Mapping[str, str]):
+        """Opening the page: the model loaded (with progress) and every control set, from the page's link.
+
+        ``query`` is the URL's (``?prompt=...&exact=1``, the ``/compare`` API's names):
+        its settings over the model's defaults, checked as a run checks them. A refused
+        link leaves the defaults and says why, naming what is allowed. Yields
+        ``PageOutputs``, flat: the status, then each control in ``CONTROLS`` order.
+        """
+        return (yield from status_on_error(self._open_page(query), PageOutputs.status_only))
+
+    def _open_page(self, query: Mapping[str, str]):
+        refusal = ""
+        try:
+            link, named = controls_from_link(query, self.defaults())
+            self.models.check(link.model)
+        except InputError as error:
+            link, named, refusal = self.defaults(), (), str(error)
+        loaded = yield from self._wait_for_model(link.model, PageOutputs.status_only)
+        values = dataclasses.replace(self.model_defaults(link.model, loaded), **{n: getattr(link, n) for n in named})
+        try:
+            self.checked_request(loaded, values)
+        except InputError as error:
+            values, named, refusal = self.model_defaults(link.model, loaded), (), f"{error} (in the link)"
+        *_, fitted = self._select_model(link.model, values if named else None)
+        updates = {name: getattr(values, name) if name in named else gr.skip() for name in CONTROLS}
+        updates.update((name, update) for name, update in fitted._asdict().items() if name != "status")
+        note = (f"  \n**Refused** the page's link: {refusal}" if refusal
+                else f"  \nOpened from a link: {', '.join(named)}." if named else "")
+        yield PageOutputs(fitted.status + note, tuple(updates[name] for name in CONTROLS)).flat()
+
+    def share_link(self, controls: Controls) -> str:
+        """The query that reopens the page at these settings (``?exact=1&prompt=...``): each control that differs
+        from the model's defaults; the page puts its own address before it."""
+        try:
+            checked = check_controls(controls)
+        except InputError as error:
+            raise _user_error(str(error)) from None
+        loaded = self.models.loaded(checked.model)
+        return link_query(checked, self.model_defaults(checked.model, loaded) if loaded is not None else None)
 
     def defaults(self) -> Controls:
-        """The page's and the API's defaults: the default model, with its adapter's layer policy."""
+        """The page's and the API's defaults: the default model, with its adapter's layer policy (and tuned weights
+        off where it has no adapter, so that the defaults alone make a run)."""
         model, page = self.models.default, Controls()
-        return dataclasses.replace(page, model=model, layer_policy=self.models.policy(model) or page.layer_policy)
+        return dataclasses.replace(page, model=model, layer_policy=self.models.policy(model) or page.layer_policy,
+                                   tuned=page.tuned and self.models.has_tuned(model))
 
     def schedule_preview(self, controls: Controls):
         """The SkipDecode budget b(t) the sliders describe; never runs the model."""
@@ -257,11 +285,63 @@ class Handlers:
         path.write_text(json.dumps(run_record(full, sk, req), indent=1, allow_nan=False))
         return path
 
+    def checked_request(self, loaded: LoadedModel, controls: Controls) -> tuple[ComparisonRequest, int]:
+        """The request the controls make for ``loaded`` and its prompt's token count, or an InputError: the
+        checks a run makes before anything runs (a tuned request on a model without an adapter included)."""
+        request = build_request(loaded.num_layers, controls, self.models.shapes(controls.model))
+        prompt_count = check_prompt(loaded, request.prompt, request.settings.max_new_tokens, self.limits)
+        if request.tuned:
+            self.models.check_tuned(request.model)
+        return request, prompt_count
+
     def compare(self, controls: Controls, request: gr.Request = None):
         """Stream the full model and SkipKey side by side, with metrics and both heatmaps."""
         return (yield from status_on_error(self._compare(controls, request), ComparisonOutputs.status_only))
 
     def _compare(self, controls: Controls, request: gr.Request = None):
+        run = yield from self._run(controls, request, show=True)
+        if run is None:
+            return
+        yield comparison_outputs(run.full, run.skipkey, run.loaded, run.prompt_texts, redraw=True,
+                                 final=True)._replace(status=self.done_line(run),
+                                                      download=str(self.save_run(run.full, run.skipkey, run.request)))
+
+    def metrics(self, controls: Controls, request: gr.Request = None) -> str:
+        """One comparison run to the end, as JSON text: its record without the per-token trace
+        (``record.run_record``) and its status line. Refusals are the ``/compare`` API's. Text, not a dict:
+        an MCP tool's answer is the output's text, and a dict's would be Python's repr."""
+        stream = self._run(controls, request, show=False)
+        while True:
+            try:
+                next(stream)
+            except StopIteration as finished:
+                run = finished.value
+                break
+        if run is None:
+            raise _user_error("the run was stopped before its first token")
+        record = dict(status=self.done_line(run), **run_record(run.full, run.skipkey, run.request, traces=False))
+        return json.dumps(record, allow_nan=False)
+
+    def gpu_seconds(self, controls: Controls, request: gr.Request = None) -> int:
+        """The GPU time a ZeroGPU Space asks for this comparison (``skipkey.serving.gpu_time``)."""
+        loaded = self.models.loaded(controls.model) if isinstance(controls.model, str) else None
+        if loaded is None:  # not offered, or not loaded: the run is refused or waits for it
+            return gpu_seconds(controls, 0, 0, 0)
+        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        count = prompt_tokens(loaded, controls.prompt) if isinstance(controls.prompt, str) else 0
+        return gpu_seconds(controls, loaded.num_layers, weight_bytes, count)
+
+    def done_line(self, run: FinishedRun) -> str:
+        if run.timed_out:
+            word = f"Stopped at the time limit of {self.limits.request_seconds:g} s a request ({REQUEST_SECONDS_ENV})"
+        else:
+            word = "Stopped" if run.skipkey.stopped else "Done"
+        return (f"**{word}**: {len(run.full.events)} + {len(run.skipkey.events)} tokens from a "
+                f"{run.prompt_count}-token prompt. {run.request.describe()}.{run.request.hint()}")
+
+    def _run(self, controls: Controls, request: gr.Request = None, *, show: bool):
+        """Yields the page's outputs while the run waits and decodes (``show``: each step's too); returns the
+        ``FinishedRun``, or None when it was stopped before its first token."""
         model = controls.model
         stop = threading.Event()
         session = _session(request)
@@ -270,38 +350,29 @@ class Handlers:
         try:
             loaded = yield from self._wait_for_model(model, ComparisonOutputs.status_only, stop=stop)
             if loaded is None:
-                return
+                return None
             try:  # all of it before the panes are cleared: a refused request leaves the last run in view
-                req = build_request(loaded.num_layers, controls, self.models.shapes(model))
-                prompt_count = check_prompt(loaded, req.prompt, req.settings.max_new_tokens, self.limits)
+                req, prompt_count = self.checked_request(loaded, controls)
             except InputError as error:
                 raise _user_error(str(error)) from None
             tuned_model = None
-            if req.tuned:  # a model without an adapter is refused here, with the models that have one
+            if req.tuned:
                 tuned_model = yield from self._wait_for_model(model, ComparisonOutputs.status_only, stop=stop,
                                                               tuned=True)
                 if tuned_model is None:
-                    return
+                    return None
             yield cleared_outputs(model, req)
-            full, sk, prompt_texts, timed_out = yield from self._stream(loaded, req, stop, tuned_model)
+            full, sk, prompt_texts, timed_out = yield from self._stream(loaded, req, stop, tuned_model, show)
             if full is None or not full.events:
-                return
-            if timed_out:
-                word = (f"Stopped at the time limit of {self.limits.request_seconds:g} s a request "
-                        f"({REQUEST_SECONDS_ENV})")
-            else:
-                word = "Stopped" if sk.stopped else "Done"
-            yield comparison_outputs(full, sk, loaded, prompt_texts, redraw=True, final=True)._replace(
-                status=f"**{word}**: {len(full.events)} + {len(sk.events)} tokens from a {prompt_count}-token "
-                       f"prompt. {req.describe()}.{req.hint()}",
-                download=str(self.save_run(full, sk, req)))
+                return None
+            return FinishedRun(loaded, req, full, sk, prompt_texts, prompt_count, timed_out)
         finally:
             stop.set()
             if session is not None:
                 self.running.remove(session, stop)
 
-    def _stream(self, loaded, req, stop: threading.Event, tuned_model):
-        """Yields the outputs while both sides decode, paced for the browser; returns
+    def _stream(self, loaded, req, stop: threading.Event, tuned_model, show: bool = True):
+        """Yields the outputs while both sides decode, paced for the browser (none unless ``show``); returns
         (full trace, SkipKey's trace, prompt token texts, whether the time limit stopped it)."""
         prompt_texts = None
         last_text = last_figure = 0.0
@@ -316,6 +387,8 @@ class Handlers:
                     stop.set()  # both sides end after this step; what they made is kept
                 if prompt_texts is None:
                     prompt_texts = prompt_token_texts(loaded, req.prompt)
+                if not show:
+                    continue
                 # Fast devices make tokens faster than a browser can draw them: send text at most
                 # every text_interval s, and figures every few tokens, at most every figure_interval s.
                 now, steps = time.perf_counter(), len(sk.events)
@@ -351,64 +424,3 @@ def status_on_error(stream, status_only: Callable[[str], tuple]):
     except gr.Error as error:
         yield status_only(f"**Refused:** {error.message}")
         raise
-
-
-def option_visibility(decoding, kv_policy):
-    """Show only the options the decoding mode and the KV policy use, in ``OPTION_CONTROLS`` order."""
-    shown = shown_options(decoding, kv_policy)
-    return tuple(gr.update(visible=shown[name]) for name in OPTION_CONTROLS)
-
-
-def schedule_controls(schedule, set_by):
-    """Show the controls the chosen mode and schedule use: a target speedup alone (the measured-best shape
-    does the rest), or the schedule's kind, warm-up, b_max, b_min, horizon, hold and exponent."""
-    by_layers = set_by != "target speedup"
-    return (gr.update(visible=by_layers),
-            gr.update(visible=by_layers and schedule != "constant"),
-            gr.update(visible=by_layers,
-                      label="layers (constant)" if schedule == "constant" else "min layers (b_min)"),
-            gr.update(visible=by_layers and schedule != "constant"),
-            gr.update(visible=by_layers),
-            gr.update(visible=by_layers and schedule != "constant"),
-            gr.update(visible=by_layers and schedule == "power"),
-            gr.update(visible=not by_layers))
-
-
-def retention_at_step(state, step):
-    """The retention heatmap after any step of the last run (the slider under it)."""
-    if not state:
-        return figures.message_figure("Generate first; then pick a step here.")
-    trace, prompt_texts = state
-    wanted = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else len(trace.events) - 1
-    return figures.retention_figure(trace, recorded_step(trace, wanted), position_texts=prompt_texts)
-
-
-def cleared_outputs(model: str, req) -> ComparisonOutputs:
-    """What the page shows once a request is accepted, before its first token: the panes emptied."""
-    return ComparisonOutputs(
-        status=f"**Generating** with **{model}**: {req.describe()}", full_text="", full_metrics="",
-        skip_text="", skip_metrics="", skip_html="", agreement="",
-        layer_plot=figures.message_figure("Layer usage appears with the first token."),
-        acceptance_plot=figures.message_figure("Acceptance appears in exact mode, once tokens are verified."
-                                               if req.exact else "Exact mode is off: no drafts to verify.", 120),
-        retention_plot=figures.message_figure("Retained tokens appear once the prompt is processed."),
-        step=gr.update(visible=False), skip_diff=[], download=None, last_run=None)
-
-
-def comparison_outputs(full, sk, loaded, prompt_texts, *, redraw: bool, final: bool) -> ComparisonOutputs:
-    """The outputs for the two traces so far (figures only when ``redraw``); the status is left as it is."""
-    skip = gr.skip()
-    if final and sk.events:
-        last = len(sk.events) - 1
-        step_update = gr.update(visible=True, minimum=0, maximum=max(1, last), value=last, interactive=last > 0)
-        state = (thin_history(sk), prompt_texts)
-    else:
-        step_update, state = skip, skip
-    return ComparisonOutputs(
-        status=skip, full_text=full.text(), full_metrics=side_metrics(full).markdown(), skip_text=sk.text(),
-        skip_metrics=side_metrics(sk, full).markdown(), skip_html=figures.layers_html(sk),
-        agreement=agreement_summary(full, sk, loaded.tokenizer, final=final),
-        layer_plot=figures.layer_usage_figure(sk) if redraw else skip,
-        acceptance_plot=figures.acceptance_figure(sk) if redraw else skip,
-        retention_plot=figures.retention_figure(sk, position_texts=prompt_texts) if redraw else skip,
-        step=step_update, skip_diff=figures.token_diff(full, sk, pending=not final), download=skip, last_run=state)

@@ -175,29 +175,29 @@ def test_the_edge_covers_every_mode():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(max_new_tokens=0), "max_new_tokens must be in 1..2048"),
+    (dict(max_new_tokens=0), "max_new_tokens must be in 1..512, got 0"),
     (dict(max_new_tokens="many"), "max_new_tokens must be a whole number"),
     (dict(max_new_tokens=2.5), "max_new_tokens must be a whole number"),
-    (dict(temperature=0), "temperature must be in (0.0, 10.0]"),
-    (dict(seed=-1), "seed must be in"),
+    (dict(temperature=0), "temperature must be in [0.05, 2.0], got 0.0"),
+    (dict(seed=-1), "seed must be in 0..2147483647, got -1"),
     (dict(decoding="beam"), "decoding must be one of greedy, sample"),
     (dict(b_min=5, b_max=4), "b_min must be an integer from 2"),
     (dict(b_max=7), "b_max must be an integer from 2 (warmup + 1) to 6"),
     (dict(warmup=6), "warmup must be an integer from 0 to 5"),
-    (dict(horizon=-1), "horizon must be an integer >= 0"),
-    (dict(hold=-1), "hold must be an integer >= 0"),
-    (dict(hold=2.5), "hold must be an integer >= 0 (steps at b_max before the decay), got 2.5"),
+    (dict(horizon=-1), "horizon must be in 0..512, got -1"),
+    (dict(hold=-1), "hold must be in 0..512, got -1"),
+    (dict(hold=2.5), "hold must be a whole number, got 2.5"),
     (dict(set_by="target speedup", target_speedup=9), "target speedup must be from 1 to 6.00"),
-    (dict(set_by="guess"), "set SkipDecode by must be one of"),
-    (dict(schedule="cubic"), "schedule kind must be one of linear, power, constant"),
-    (dict(schedule="power", exponent=0), "exponent must be a finite number > 0"),
-    (dict(layer_policy="bottom"), "unknown layer policy 'bottom'"),
-    (dict(kv_policy="lru"), "unknown KV policy 'lru'"),
-    (dict(kv_budget_pct=0), "KV budget 0.0 is invalid"),
-    (dict(kv_recent_pct=150), "KV recent-window share must be in [0.0, 1.0]"),
-    (dict(tau_init=0), "tau_init must be in (0.0, 100.0]"),
-    (dict(skip_on="yes"), "SkipDecode on/off must be true or false"),
-    (dict(kv_on=None), "KV eviction on/off must be true or false"),
+    (dict(set_by="guess"), "set_by must be one of layers, target speedup; got 'guess'"),
+    (dict(schedule="cubic"), "schedule must be one of linear, power, constant; got 'cubic'"),
+    (dict(schedule="power", exponent=0), "exponent must be in [0.25, 4.0], got 0.0"),
+    (dict(layer_policy="bottom"), "layer_policy must be one of top, importance; got 'bottom'"),
+    (dict(kv_policy="lru"), "kv_policy must be one of snapkv, tova, keyformer, h2o, streaming, window; got 'lru'"),
+    (dict(kv_budget_pct=0), "kv_budget_pct must be in [1, 100], got 0.0"),
+    (dict(kv_recent_pct=150), "kv_recent_pct must be in [0, 100], got 150.0"),
+    (dict(tau_init=0), "tau_init must be in [0.1, 5.0], got 0.0"),
+    (dict(skip_on="yes"), "skip_on must be true or false, got 'yes'"),
+    (dict(kv_on=None), "kv_on must be true or false, got None"),
     (dict(prompt=None), "prompt must be text"),
 ])
 def test_each_bad_value_gets_a_clear_message(changes, message):
@@ -212,13 +212,39 @@ def test_a_kv_budget_above_100_percent_is_refused_not_read_as_tokens(percent):
     and names the allowed range in its own unit."""
     with pytest.raises(InputError) as error:
         request_for(kv_budget_pct=percent)
-    assert "KV budget must be in (0, 100] % of the prompt" in str(error.value)
+    assert "kv_budget_pct must be in [1, 100]" in str(error.value)
     assert request_for(kv_budget_pct=100).kv.budget == 1.0
 
 
-def test_off_switches_skip_the_checks_of_what_is_off():
-    assert request_for(skip_on=False, b_min=99).skip is None
-    assert request_for(kv_on=False, kv_budget_pct=0).kv is None
+# Per control: a value its declaration refuses (out of range, not a choice, not its type).
+OUT_OF_BOUNDS = dict(prompt=7, model=None, max_new_tokens=513, decoding="beam", temperature=2.5, seed=-1,
+                     skip_on="yes", layer_policy="bottom", schedule="cubic", set_by="guess", b_max=65, b_min=1,
+                     horizon=513, warmup=64, exponent=0.1, target_speedup=33, kv_on=1, kv_policy="full",
+                     kv_budget_pct=0, kv_recent_pct=101, tau_init=0, tau_end=5.5, kv_observe=513, kv_pool=16,
+                     kv_normalize="no", tuned=None, hold=-3, exact="on", draft_k=5, draft_head="32 tokens")
+
+
+def test_every_control_is_checked_whether_the_settings_use_it_or_not():
+    """#45: ``schedule="cubic"`` and ``hold=-3`` were accepted while a target speedup set the schedule, and the
+    options of a method that is off were never read. Each control's declared bounds hold always."""
+    assert set(OUT_OF_BOUNDS) == set(edge.CONTROLS)
+    nothing_used = dict(skip_on=False, kv_on=False, exact=False, decoding="greedy")
+    for name, bad in OUT_OF_BOUNDS.items():
+        for setting in (dict(set_by="target speedup"), nothing_used):
+            with pytest.raises(InputError) as error:
+                request_for(**{**setting, name: bad})
+            assert str(error.value).startswith(f"{name} must be "), (name, str(error.value))
+    # Within its declaration a value is refused only where it is used and does not fit: b_max of 18 on this
+    # 6-layer model, while a target speedup sets the schedule.
+    assert request_for(set_by="target speedup", b_max=18).skip is not None
+    with pytest.raises(InputError, match="b_max must be an integer from 2"):
+        request_for(set_by="layers", b_max=18)
+
+
+def test_the_edge_types_the_values_clients_send():
+    checked = edge.check_controls(dataclasses.replace(CONTROLS, max_new_tokens="12", seed=7.0, temperature="0.5"))
+    assert (checked.max_new_tokens, checked.seed, checked.temperature) == (12, 7, 0.5)
+    assert type(checked.max_new_tokens) is int and type(checked.temperature) is float
 
 
 # -- the comparison -------------------------------------------------------------------
@@ -259,8 +285,11 @@ def test_compare_streams_then_returns_everything(handlers):
     outputs = run(handlers, max_new_tokens=12)
     assert "Generating" in outputs[0].status
     (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, acceptance_fig, retention_fig, step,
-     diff, download, state) = outputs[-1]
+     diff, download, key_figures, state) = outputs[-1]
     assert status.startswith("**Done**") and full_text and skip_text
+    # Under both texts, in the first screen: SkipKey's speedups and the KV cache it held (no acceptance: not exact).
+    assert "measured **" in key_figures and "nominal **" in key_figures and "KV cache held **" in key_figures
+    assert "acceptance" not in key_figures
     assert "tokens/s" in full_md and "ms/token" in full_md and "first token" in full_md and "MB" in full_md
     assert "layers/token" in skip_md and "nominal speedup" in skip_md and "measured" in skip_md
     assert "% of full" in skip_md
@@ -290,7 +319,7 @@ def test_retention_slider_shows_any_step(handlers):
     (dict(max_new_tokens=-3), "max_new_tokens must be in"),
     (dict(prompt="   "), "the prompt is empty"),
     (dict(prompt="x" * 1100), "exceeds the model's context of 1024 tokens"),
-    (dict(kv_budget_pct="lots"), "KV budget must be a number"),
+    (dict(kv_budget_pct="lots"), "kv_budget_pct must be a number, got 'lots'"),
 ])
 def test_bad_requests_get_a_gradio_error(handlers, changes, message):
     with pytest.raises(gr.Error) as error:
@@ -396,7 +425,7 @@ def test_schedule_preview_never_runs_the_model(handlers, monkeypatch):
     assert list(held.data[1].y)[:5] == [6] * 5 and list(held.data[1].y) != list(fig.data[1].y)
     bad = preview("embedded", "linear", "layers", 6, 9, 10)
     assert "b_min must be" in bad.layout.annotations[0].text
-    target = preview("embedded", "power", "target speedup", None, None, None, target_speedup=2.0)
+    target = preview("embedded", "power", "target speedup", 6, 3, 10, target_speedup=2.0)
     assert "nominal speedup" in target.layout.title.text
     # A target takes the measured-best shape: the kind radio (hidden in that mode) does not count.
     shape = measured_best_shape(2.0, "top").schedule(2.0, 6, 19)
@@ -486,7 +515,7 @@ def test_tuned_weights_are_refused_for_a_model_without_an_adapter(tiny):
     assert ready.tuned == {"__type__": "update", "interactive": False, "value": False}
     with pytest.raises(gr.Error, match="no SkipDecode-tuned adapter here"):
         run(handlers, max_new_tokens=4, tuned=True)
-    with pytest.raises(gr.Error, match="tuned weights on/off must be true or false"):
+    with pytest.raises(gr.Error, match="tuned must be true or false"):
         run(handlers, max_new_tokens=4, tuned="yes")
     assert run(handlers, max_new_tokens=4, tuned=False)[-1].status.startswith("**Done**")
 
@@ -763,12 +792,12 @@ def test_exact_mode_builds_an_exact_decoding_at_the_edge():
     (dict(kv_on=True), "KV eviction"),
     (dict(decoding="sample"), "greedy only"),
     (dict(skip_on=False), "turn SkipDecode on"),
-    (dict(draft_k=0), "draft k"),
-    (dict(draft_k=edge.DRAFT_K_CAP + 1), "draft k"),
-    (dict(draft_k=edge.APP_DRAFT_K_MAX + 1), r"draft k must be in 1\.\.4"),  # the page offers what was measured
+    (dict(draft_k=0), "draft_k"),
+    (dict(draft_k=edge.DRAFT_K_CAP + 1), "draft_k"),
+    (dict(draft_k=edge.APP_DRAFT_K_MAX + 1), r"draft_k must be in 1\.\.4"),  # the page offers what was measured
     (dict(draft_k=2.5), "whole number"),
-    (dict(draft_head="half"), "draft head"),
-    (dict(exact="yes"), "exact on/off"),
+    (dict(draft_head="half"), "draft_head must be one of"),
+    (dict(exact="yes"), "exact must be true or false"),
 ])
 def test_exact_mode_refuses_what_it_cannot_verify(changes, message):
     with pytest.raises(InputError, match=message):
@@ -798,3 +827,161 @@ def test_the_exact_preset_quotes_the_exact_bench_or_says_it_is_not_measured(tmp_
     assert "1.37x" in line and "2.25 tokens per verify step" in line and presets.EXACT_BENCH_FILE in line
     request = build_request(6, dataclasses.replace(Controls(layer_policy="top"), **preset.changes))
     assert request.exact == preset.exact and request.kv is None and not request.settings.do_sample
+
+
+# -- ZeroGPU: each run is a spaces.GPU call in a forked worker ------------------------------------------------------
+def wired(demo, api_name: str):
+    """The function the page wires to ``api_name``: what ZeroGPU's decorator would wrap."""
+    return next(block.fn for block in demo.fns.values() if block.api_name == api_name)
+
+
+def round_trip(value):
+    """``value`` through pickle, as ZeroGPU sends each argument to its worker and each value back."""
+    import pickle
+
+    return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def test_the_gpu_calls_pickle_every_argument_and_every_value_they_yield(handlers):
+    """ZeroGPU pickles what a ``spaces.GPU`` function takes and yields (and a gr.Error it raises) between the
+    server and its forked GPU worker: a value that does not pickle fails the run on a Space only."""
+    from starlette.requests import Request
+
+    demo = app.build_demo(handlers)
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"host", b"space")], "query_string": b"",
+             "client": ("127.0.0.1", 1), "server": ("space", 443), "scheme": "https", "root_path": ""}
+    request = gr.Request(request=Request(scope), session_hash="zero")
+    for api_name, changes in (("compare", dict(max_new_tokens=6)),
+                              ("compare", dict(kv_on=False, exact=True, draft_head="full head")),
+                              ("metrics", dict(max_new_tokens=5))):
+        controls = dataclasses.replace(CONTROLS, **changes)
+        args = [getattr(controls, name) for name in edge.CONTROLS]
+        assert round_trip(args) == args and round_trip(request).session_hash == "zero"
+        result = wired(demo, api_name)(*args, request=request)
+        if api_name == "metrics":
+            assert round_trip(result) == result and json.loads(result)["status"].startswith("**Done**")
+            continue
+        yielded = list(result)
+        for value in yielded:
+            copy = round_trip(value)
+            assert type(copy) is type(value) and copy._fields == value._fields
+        final = round_trip(yielded[-1])
+        assert final.status.startswith("**Done**") and final.skip_text == yielded[-1].skip_text
+        assert final.last_run[0].tokens() == yielded[-1].last_run[0].tokens()
+    with pytest.raises(gr.Error) as refused:
+        list(wired(demo, "compare")(*[getattr(dataclasses.replace(CONTROLS, hold=-3), n) for n in edge.CONTROLS]))
+    assert round_trip(refused.value).message == refused.value.message
+
+
+def test_the_gpu_time_is_asked_with_the_runs_own_arguments(handlers):
+    """spaces.GPU calls a duration function with the decorated function's arguments: the same signature."""
+    demo = app.build_demo(handlers)
+    duration = app.controls_function(handlers.gpu_seconds, tuple(edge.CONTROLS), request=True,
+                                     defaults=handlers.defaults())
+    assert inspect.signature(duration) == inspect.signature(wired(demo, "compare"))
+    list(handlers.select_model("embedded"))
+    args = [getattr(CONTROLS, name) for name in edge.CONTROLS]
+    short = duration(*args, request=None)
+    longer = duration(*[getattr(dataclasses.replace(CONTROLS, max_new_tokens=400, exact=True, kv_on=False), n)
+                        for n in edge.CONTROLS])
+    assert 20 <= short < longer <= 120
+
+
+def test_zerogpu_places_the_models_on_the_calling_thread(tiny, tiny_adapter):
+    """ZeroGPU emulates CUDA only on the thread that imported ``spaces``: the models load there, not in the
+    background, and later requests find them loaded."""
+    threads = []
+    cache = ModelCache(lambda name: threads.append(threading.current_thread()) or tiny,
+                       adapters={"embedded": tiny_adapter})
+    assert cache.load_now("embedded") is tiny and threads == [threading.current_thread()]
+    tuned = cache.load_now("embedded", tuned=True)
+    assert cache.loaded("embedded") is tiny and cache.tuned_future("embedded").result() is tuned
+    assert threads == [threading.current_thread()], "the tuned copy is made from the loaded base"
+
+
+# -- the API: its page, /metrics and MCP --------------------------------------------------------------------------
+def test_the_api_page_lists_every_parameter_as_declared():
+    from pathlib import Path
+
+    from experiments.api_table import table
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    quoted = re.search(r"<!-- api-table:start -->\n(.*?)\n<!-- api-table:end -->", text, flags=re.S)
+    assert quoted, "docs/api.md marks its parameter table"
+    assert quoted.group(1).strip() == table().strip(), "rerun: python -m experiments.api_table"
+    rows = table().splitlines()[2:]
+    assert [row.split("`")[1] for row in rows] == list(edge.CONTROLS)
+    assert "| `hold` | whole number in 0..512 | `0` |" in table()
+    assert "| `schedule` | `linear` / `power` / `constant` |" in table()
+
+
+def test_the_api_functions_describe_each_parameter_for_an_agent(handlers):
+    """Gradio builds the API page's and MCP tools' descriptions from the docstring: every parameter has its line."""
+    from gradio.utils import get_function_description
+
+    demo = app.build_demo(handlers)
+    for api_name in ("compare", "metrics"):
+        description, parameters, returns = get_function_description(wired(demo, api_name))
+        assert description and returns
+        assert list(parameters) == [*edge.CONTROLS, "request"]
+        assert all(parameters[name] for name in edge.CONTROLS), api_name
+        assert "Allowed: whole number in 0..512. Default: 0." in parameters["hold"]
+
+
+def test_metrics_runs_to_the_end_and_returns_json(handlers):
+    numbers = json.loads(handlers.metrics(dataclasses.replace(CONTROLS, max_new_tokens=6)))
+    assert numbers["status"].startswith("**Done**") and len(numbers["full"]["tokens"]) == 6
+    assert "trace" not in numbers["full"] and numbers["skipkey"]["metrics"]["compute"]["mean_layers"] < 6
+    streamed = list(handlers.compare(dataclasses.replace(CONTROLS, max_new_tokens=6)))
+    assert numbers["full"]["text"] == streamed[-1].full_text
+    with pytest.raises(gr.Error, match="hold must be in 0..512, got -3"):
+        handlers.metrics(dataclasses.replace(CONTROLS, set_by="target speedup", hold=-3))
+
+
+# -- a run you can share: the page's link ------------------------------------------------------------------------
+def opened(handlers, query: dict):
+    """The last update of opening the page with ``query``: the status and each control's update by name."""
+    status, *updates = list(handlers.open_page(query))[-1]
+    return status, dict(zip(edge.CONTROLS, updates))
+
+
+def test_a_link_opens_the_page_at_its_settings(handlers):
+    status, updates = opened(handlers, {"prompt": "Hi there", "exact": "1", "draft_k": "2", "max_new_tokens": "9"})
+    assert "ready" in status and "Opened from a link: prompt, max_new_tokens, exact, draft_k" in status
+    assert (updates["prompt"], updates["exact"], updates["draft_k"]) == ("Hi there", True, 2)
+    assert updates["max_new_tokens"]["value"] == 9 and updates["max_new_tokens"]["maximum"] == 512
+    assert updates["b_max"] == gr.update(maximum=6, value=6), "what the link leaves out: the model's defaults"
+    assert updates["kv_on"] == gr.skip()
+
+
+@pytest.mark.parametrize("query, message", [
+    ({"skip_target": "2"}, "'skip_target', which is no setting here; allowed: prompt, model, max_new_tokens"),
+    ({"schedule": "cubic"}, "schedule must be one of linear, power, constant; got 'cubic' (in the link)"),
+    ({"set_by": "layers", "b_max": "9"}, "b_max must be an integer from 2 (warmup + 1) to 6 (the model's layers)"),
+    ({"model": "gpt2"}, "model 'gpt2' is not offered here; choose one of: embedded"),
+    ({"prompt": ""}, "the prompt is empty"),
+])
+def test_a_bad_link_leaves_the_defaults_and_says_what_is_allowed(handlers, query, message):
+    status, updates = opened(handlers, query)
+    assert "ready" in status and "**Refused** the page's link: " in status and message in status
+    assert all(updates[name] == gr.skip() for name in ("prompt", "schedule", "exact"))
+    assert updates["b_max"] == gr.update(maximum=6, value=6)
+    assert run(handlers, max_new_tokens=3)[-1].status.startswith("**Done**"), "the app keeps serving"
+
+
+def test_the_share_link_reopens_the_current_settings(handlers):
+    list(handlers.select_model("embedded"))
+    loaded = handlers.models.get("embedded")
+    current = dataclasses.replace(handlers.model_defaults("embedded", loaded), prompt="Hi", exact=True,
+                                  kv_on=False, draft_k=2, b_min=3)
+    query = handlers.share_link(current)
+    assert query.startswith("?") and "exact=1" in query and "b_max" not in query
+    from urllib.parse import parse_qsl
+
+    status, updates = opened(handlers, dict(parse_qsl(query[1:])))
+    reopened = {name: update["value"] if isinstance(update, dict) and "value" in update else update
+                for name, update in updates.items()}
+    assert all(reopened[name] == getattr(current, name) for name in edge.CONTROLS if reopened[name] != gr.skip())
+    assert {name for name in edge.CONTROLS if reopened[name] != gr.skip()} >= {"prompt", "exact", "draft_k", "b_min"}
+    with pytest.raises(gr.Error, match="hold must be in 0..512"):
+        handlers.share_link(dataclasses.replace(current, hold=-3))

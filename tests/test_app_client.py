@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 import time
 
@@ -32,11 +33,22 @@ def tiny(tiny_app_model):
     return tiny_app_model  # never emits EOS: every run makes exactly max_new_tokens
 
 
+def slowed(lm, seconds: float = 0.002):
+    """``lm`` with a pause before each decoder layer: a run long enough to stop midway on any machine."""
+    for layer in lm.model.model.layers:
+        layer.register_forward_pre_hook(lambda *args: time.sleep(seconds))
+    return lm
+
+
 @pytest.fixture(scope="module")
 def served(tiny):
     import app
+    from skipkey.core.tiny import tiny_model
 
-    handlers = app.Handlers(ModelCache(lambda name: tiny))
+    slow = slowed(tiny_model("gemma3", seed=1))
+    slow.model.generation_config.eos_token_id = None
+    models = ModelCache(lambda name: slow if name == "slow" else tiny, allowed=("embedded", "slow"))
+    handlers = app.Handlers(models)
     with serving(app.build_demo(handlers, concurrency_limit=2, max_size=8)) as url:
         yield handlers, url
 
@@ -52,14 +64,15 @@ def compare(client, **changes):
 
 def test_endpoints_are_named(client):
     endpoints = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
-    assert {"/compare", "/select_model", "/schedule_preview"} <= set(endpoints)
-    params = [p["parameter_name"] for p in endpoints["/compare"]["parameters"]]
-    assert params == list(CONTROLS)
+    assert {"/compare", "/metrics", "/select_model", "/schedule_preview"} <= set(endpoints)
+    for name in ("/compare", "/metrics"):
+        assert [p["parameter_name"] for p in endpoints[name]["parameters"]] == list(CONTROLS)
 
 
 def test_a_full_comparison_returns_both_texts_and_both_figures(client, tiny):
     (status, full_text, full_md, skip_text, skip_md, html, agree, layer_fig, acceptance_fig, retention_fig, step,
-     diff, download) = compare(client)
+     diff, download, key_figures) = compare(client)
+    assert "measured **" in key_figures and "KV cache held **" in key_figures
     assert status.startswith("**Done**") and full_text and skip_text
     solo = Trace.collect(Engine(tiny), [PROMPTS[0]], GenerationSettings(max_new_tokens=8))
     assert full_text == solo.text()
@@ -82,16 +95,45 @@ def test_an_api_client_asks_for_exact_mode_and_gets_the_full_models_text(client)
         compare(client, exact=True, kv_on=True)
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(max_new_tokens=0), "max_new_tokens must be in 1..2048"),
-    (dict(b_min=99), "b_min must be an integer"),
-    (dict(kv_policy="lru"), "unknown KV policy 'lru'"),
+    (dict(max_new_tokens=0), "max_new_tokens must be in 1..512, got 0"),
+    (dict(b_min=99), "b_min must be in 2..64, got 99"),
+    (dict(b_min=9), "b_min must be an integer from 2 (warmup + 1) to 6 (b_max), got 9"),
+    (dict(kv_policy="lru"), "kv_policy must be one of snapkv, tova, keyformer, h2o, streaming, window; got 'lru'"),
     (dict(model="meta-llama/Llama-3.1-405B"), "not offered here"),
     (dict(prompt=""), "the prompt is empty"),
     (dict(temperature="hot"), "temperature must be a number"),
+    # #45: refused although a target speedup sets the schedule and KV eviction is off
+    (dict(set_by="target speedup", schedule="cubic"), "schedule must be one of linear, power, constant"),
+    (dict(set_by="target speedup", hold=-3), "hold must be in 0..512, got -3"),
+    (dict(kv_on=False, kv_observe=600), "kv_observe must be in 0..512, got 600"),
 ])
 def test_invalid_inputs_get_errors(client, changes, message):
-    with pytest.raises(AppError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        compare(client, **changes)
+    for api_name in ("/compare", "/metrics"):
+        with pytest.raises(AppError, match=re.escape(message)):
+            client.predict(**{**CONTROLS, **changes}, api_name=api_name)
+
+
+# Per control, a value out of its declared bounds, sent where no setting uses it (all methods off).
+OUT_OF_BOUNDS = dict(prompt=7, model=3, max_new_tokens=513, decoding="beam", temperature=2.5, seed=-1, skip_on="yes",
+                     layer_policy="bottom", schedule="cubic", set_by="guess", b_max=65, b_min=1, horizon=513,
+                     warmup=64, exponent=0.1, target_speedup=33, kv_on="no", kv_policy="full", kv_budget_pct=0,
+                     kv_recent_pct=101, tau_init=0, tau_end=5.5, kv_observe=513, kv_pool=16, kv_normalize="no",
+                     tuned="no", hold=-3, exact="on", draft_k=5, draft_head="32 tokens")
+
+
+def test_every_control_is_checked_through_the_api(client):
+    assert set(OUT_OF_BOUNDS) == set(CONTROLS)
+    for name, bad in OUT_OF_BOUNDS.items():
+        expected = "model 3 is not offered here; choose one of" if name == "model" else f"{name} must be "
+        with pytest.raises(AppError, match=expected):
+            compare(client, **{"skip_on": False, "kv_on": False, name: bad})
+
+
+def test_metrics_returns_one_runs_numbers_as_json(client, tiny):
+    numbers = json.loads(client.predict(**{**CONTROLS, "max_new_tokens": 6}, api_name="/metrics"))
+    solo = Trace.collect(Engine(tiny), [PROMPTS[0]], GenerationSettings(max_new_tokens=6))
+    assert numbers["status"].startswith("**Done**") and numbers["full"]["text"] == solo.text()
+    assert numbers["skipkey"]["metrics"]["speed"]["tokens_per_s"] > 0 and "rouge_l" in numbers["agreement"]
 
 
 def test_schedule_preview_endpoint(client):
@@ -137,8 +179,8 @@ def wait_until(condition, timeout: float, what: str) -> None:
 def test_a_stopped_request_frees_its_slot(served, client):
     handlers, url = served
     # Fill both slots with long runs, then cancel one: a third request must get its slot.
-    long_jobs = [Client(url, verbose=False).submit(**{**CONTROLS, "max_new_tokens": 900}, api_name="/compare")
-                 for _ in range(2)]
+    long_jobs = [Client(url, verbose=False).submit(**{**CONTROLS, "model": "slow", "max_new_tokens": 512},
+                                                   api_name="/compare") for _ in range(2)]
     wait_until(lambda: len(handlers.running) == 2, 60, "both long runs to start")
     wait_until(lambda: all(len(job.outputs()) > 1 for job in long_jobs), 60, "both long runs to stream")
     long_jobs[0].cancel()
@@ -149,3 +191,54 @@ def test_a_stopped_request_frees_its_slot(served, client):
     assert len(handlers.running) == 1, "the other long run is still going"
     long_jobs[1].cancel()
     wait_until(lambda: len(handlers.running) == 0, 30, "the second cancelled run to end")
+
+
+# -- MCP: SKIPKEY_MCP=1 serves the API as tools ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mcp_url(tiny):
+    pytest.importorskip("mcp", reason="pip install mcp (requirements.txt) for the MCP server")
+    import app
+
+    handlers = app.Handlers(ModelCache(lambda name: tiny, adapters={}))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SKIPKEY_MCP", "1")
+        with serving(app.build_demo(handlers, concurrency_limit=2, max_size=8)) as url:
+            yield url
+
+
+def call_tool(url: str, name: str, arguments: dict):
+    """One MCP session over streamable HTTP, as an agent opens it: the tools listed, then one called."""
+    import anyio
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamablehttp_client
+
+    async def session():
+        async with streamablehttp_client(f"{url}gradio_api/mcp/") as (read, write, _):
+            async with ClientSession(read, write) as mcp_session:
+                await mcp_session.initialize()
+                listed = await mcp_session.list_tools()
+                return listed.tools, await mcp_session.call_tool(name, arguments)
+
+    return anyio.run(session)
+
+
+def test_the_mcp_tools_describe_every_parameter_and_answer_with_the_apis_checks(mcp_url, tiny):
+    import httpx
+
+    schema = {tool["name"]: tool for tool in httpx.get(f"{mcp_url}gradio_api/mcp/schema", timeout=30).json()}
+    assert {"compare", "metrics", "select_model", "schedule_preview"} <= set(schema)
+    metrics = schema["metrics"]
+    assert "metrics as JSON" in metrics["description"] and "naming what is allowed" in metrics["description"]
+    properties = metrics["inputSchema"]["properties"]
+    assert list(properties) == list(CONTROLS) and "required" not in metrics["inputSchema"], "every one has a default"
+    assert "Allowed: whole number in 0..512. Default: 0." in properties["hold"]["description"]
+    assert "Allowed: linear / power / constant." in properties["schedule"]["description"]
+
+    tools, result = call_tool(mcp_url, "metrics", {"prompt": PROMPTS[0], "max_new_tokens": 5, "layer_policy": "top"})
+    assert {tool.name for tool in tools} >= {"compare", "metrics"} and not result.isError
+    numbers = json.loads(result.content[0].text)
+    solo = Trace.collect(Engine(tiny), [PROMPTS[0]], GenerationSettings(max_new_tokens=5))
+    assert numbers["status"].startswith("**Done**") and numbers["full"]["text"] == solo.text()
+
+    _, refused = call_tool(mcp_url, "metrics", {"set_by": "target speedup", "hold": -3})
+    assert refused.isError and "hold must be in 0..512, got -3" in refused.content[0].text

@@ -2,8 +2,10 @@
 
 Open the page, click each example (it sets every control its method needs), move
 a slider (the schedule preview redraws), Generate, wait for both texts and both
-heatmaps to exist as rendered Plotly graphs, see SkipKey's differing tokens
-marked, download the run as JSON, then Stop a second run and save a screenshot.
+heatmaps to exist as rendered Plotly graphs, see both texts and the key figures in
+the first screen, SkipKey's differing tokens marked, download the run as JSON, then
+Stop a second run and save a screenshot. Then open the page from a link: its
+settings shown, the page's own link of them, and a bad link refused.
 
 CI runs it on a tiny model. ``SKIPKEY_SCREENSHOT=assets/screenshot.png`` runs it
 on the embedded model instead, at the page's defaults, and saves the README's screenshot there:
@@ -125,6 +127,17 @@ def click_example(page, label: str, settings) -> None:
                for name, value in shown.items() if value is None), label
 
 
+def box(page, elem_id: str) -> dict:
+    return page.locator(f"#{elem_id}").bounding_box()
+
+
+def in_first_screen(page, elem_id: str) -> bool:
+    """Whether the element is wholly in the viewport with the page scrolled to its top."""
+    where, viewport = box(page, elem_id), page.viewport_size
+    return (page.evaluate("window.scrollY") == 0 and where is not None and where["y"] >= 0 and where["x"] >= 0
+            and where["y"] + where["height"] <= viewport["height"] and where["x"] + where["width"] <= viewport["width"])
+
+
 def differing_tokens(page) -> int:
     """Tokens the diff view marks (Gradio's HighlightedText: a labelled token is ``.token.highlighted``)."""
     return page.locator("#skip_diff .token.highlighted").count()
@@ -202,6 +215,12 @@ def test_compare_and_stop_in_chromium(served, page, tmp_path):
                             f"#{plot} .js-plotly-plot .hm image").count() > 0, f"{plot} has no heatmap"
     assert "layers/token" in page.locator("#skip_metrics").inner_text()
     assert "Agreement" in page.locator("#agreement").inner_text()
+    # The comparison is the first screen: at 1400x1000, unscrolled, the prompt, Generate, both texts and the key
+    # figures are all in view (the method controls sit beside them, the details below).
+    page.evaluate("window.scrollTo(0, 0)")
+    assert "measured" in page.locator("#key_figures").inner_text()
+    for elem_id in ("prompt", "generate", "full_text", "skip_text", "key_figures", "preset"):
+        assert in_first_screen(page, elem_id), f"#{elem_id} is not in the first screen: {box(page, elem_id)}"
     # SkipKey's text, token by token against the full model's: a diverging run marks at least one token.
     diverged = text_of(page, "full_text") != text_of(page, "skip_text")
     if not SCREENSHOT:
@@ -236,4 +255,36 @@ def test_compare_and_stop_in_chromium(served, page, tmp_path):
     assert "Done" not in status.inner_text()
     # 6. A screenshot of the final page.
     page.screenshot(path=str(tmp_path / "stopped.png"), full_page=True)
+    assert not page.errors, page.errors
+
+
+def test_a_link_opens_the_page_at_its_settings_and_a_bad_one_is_refused(served, page):
+    if SCREENSHOT:
+        pytest.skip("the picture is of the page at its defaults")
+    handlers, url = served
+    status = page.locator("#status")
+    page.goto(f"{url}?prompt=A+linked+prompt%3A+50%25&exact=1&draft_k=2&draft_head=full+head&max_new_tokens=7")
+    wait_until(lambda: "ready" in status.inner_text(), 60, "the linked page to load")
+    assert "Opened from a link: prompt, max_new_tokens, exact, draft_k, draft_head" in status.inner_text()
+    assert page.locator("#prompt textarea").input_value() == "A linked prompt: 50%"
+    assert checked(page, "exact") and slider_value(page, "draft_k") == 2 and slider_value(page, "max_new_tokens") == 7
+    # The page's own link of its settings: what differs from the defaults, after the page's address.
+    set_slider(page, "max_new_tokens", 9)
+    page.locator("#share").click()
+    wait_until(lambda: page.locator("#share_link textarea, #share_link input").count() > 0
+               and "exact=1" in page.locator("#share_link textarea, #share_link input").first.input_value(), 15,
+               "the share link")
+    link = page.locator("#share_link textarea, #share_link input").first.input_value()
+    assert link.startswith(url) and "max_new_tokens=9" in link and "draft_k=2" in link
+    page.goto(link)
+    wait_until(lambda: "ready" in status.inner_text(), 60, "the shared link to load")
+    assert slider_value(page, "max_new_tokens") == 9 and checked(page, "exact")
+    # A name that is no setting, or a value out of range: the defaults, and the status says what is allowed.
+    for query, message in (("?skip_target=2", "'skip_target', which is no setting here; allowed: prompt, model"),
+                           ("?hold=-3", "hold must be in 0..512, got -3")):
+        page.goto(url + query)
+        wait_until(lambda: "Refused" in status.inner_text(), 60, f"the link {query} to be refused")
+        assert message in status.inner_text() and "ready" in status.inner_text()
+    page.locator("#generate").click()
+    wait_until(lambda: "Done" in status.inner_text(), 60, "a run after a refused link")
     assert not page.errors, page.errors

@@ -25,22 +25,23 @@ LAYERS = (
     "quality.metrics", "quality.figures", "quality.teacher_forced", "quality.served", "skipdecode.adapter", "models",
     "quality.bench", "quality.prompt_bench",
     "quality.report", "quality.evaluate", "training.shapes", "training.recipe", "training.batches", "training.data", "training.lora",
-    "training.finetune", "serving.models", "serving.request", "serving.presets", "serving.comparison",
-    "serving.record", "options", "cli_bench", "cli", "__main__",
+    "training.finetune", "serving.models", "serving.request", "serving.links", "serving.gpu_time", "serving.presets",
+    "serving.comparison", "serving.record", "options", "cli_bench", "cli", "__main__",
 )
 # Each subpackage's __init__ sits where its room starts.
 PACKAGES = ("core", "kv", "skipdecode", "quality", "training", "serving")
-SERVING = ("app", "app_handlers", "skipkey.serving.models", "skipkey.serving.request", "skipkey.serving.presets",
-           "skipkey.serving.comparison", "skipkey.serving.record", "skipkey.core.engine", "skipkey.core.loading",
-           "skipkey.skipdecode.adapter")
+# The page's own modules, at the repository's root: app.py and app_*.py.
+PAGE = tuple(sorted(path.stem for path in ROOT.glob("app*.py")))
+SERVING = (*PAGE, "skipkey.serving.models", "skipkey.serving.request", "skipkey.serving.links",
+           "skipkey.serving.gpu_time", "skipkey.serving.presets", "skipkey.serving.comparison",
+           "skipkey.serving.record", "skipkey.core.engine", "skipkey.core.loading", "skipkey.skipdecode.adapter")
 TRAINING_AND_EVALUATION = {"skipkey.training.finetune", "skipkey.training.data", "skipkey.quality.evaluate", "skipkey.cli"}
 
 
 def module_files() -> dict[str, Path]:
     files = {"skipkey." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts): path
              for path in PACKAGE.rglob("*.py")}
-    files["app"] = ROOT / "app.py"
-    files["app_handlers"] = ROOT / "app_handlers.py"
+    files.update({name: ROOT / f"{name}.py" for name in PAGE})
     return files
 
 
@@ -188,7 +189,7 @@ def parameter_count(node: ast.FunctionDef) -> int:
 
 @pytest.fixture(scope="module")
 def sources() -> dict[str, str]:
-    """Every module of the package, and the page (``app``, ``app_handlers``): the same limits hold outside it."""
+    """Every module of the package, and the page (``app``, ``app_*``): the same limits hold outside it."""
     return {name: path.read_text() for name, path in module_files().items()}
 
 

@@ -153,6 +153,16 @@ class ModelCache:
                                  name=f"load {name}{' tuned' if tuned else ''}", daemon=True).start()
         return future
 
+    def load_now(self, name, tuned: bool = False) -> LoadedModel:
+        """Load ``name`` (``tuned``: its tuned copy, the base first) on the calling thread, and keep it as a
+        background load would: a ZeroGPU Space places its models on the thread that imported ``spaces``."""
+        name = self.check_tuned(name) if tuned else self.check(name)
+        future = Future()
+        self._load(name, tuned, future)
+        with self._lock:
+            self._futures[(name, tuned)] = future
+        return future.result()
+
     def loaded(self, name) -> LoadedModel | None:
         """The model if it is already loaded, else None (never waits)."""
         future = self._futures.get((name, False))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
-from skipkey.config import GenerationSettings, decode_steps, require_int
+from skipkey.config import GenerationSettings, decode_steps, require_float, require_int
 from skipkey.core.engine import Engine
 from skipkey.core.loading import EMBEDDED, LoadedModel
 from skipkey.errors import InputError
@@ -57,10 +57,12 @@ APP_DRAFT_K_MAX = 4
 class Control:
     """What serving knows of one of the ``Controls``: its range or choices, and whether it shapes the schedule.
 
-    ``minimum``/``maximum``/``step`` bound a number, ``choices`` a choice (None: not
-    bounded here; ``build_request`` and the library check every value anyway).
-    ``preview``: the schedule preview redraws when it changes. How a control looks
-    (widget, label, panel) is the page's business: ``app.WIDGETS``.
+    ``minimum``/``maximum`` bound a number, ``choices`` a choice: what the API accepts,
+    checked for every control of every request (``check_controls``), used or not; a
+    value within them may still be refused where it does not fit the model or the
+    other settings (the library's checks, in ``build_request``). ``step`` is the
+    page's slider step. ``preview``: the schedule preview redraws when it changes.
+    How a control looks (widget, label, panel) is the page's business: ``app.WIDGETS``.
     """
 
     minimum: float | None = None
@@ -74,9 +76,26 @@ class Control:
         given = dict(minimum=self.minimum, maximum=self.maximum, step=self.step, choices=self.choices)
         return {key: value for key, value in given.items() if value is not None}
 
+    def check(self, name: str, kind: str, value):
+        """``value`` as the control's type (``kind``: bool, str, int or float) within its range, or an
+        InputError naming what is allowed. Numbers may come as text or as 6.0 for 6."""
+        if kind == "bool":
+            return _flag(name, value)
+        if kind == "str":
+            if not isinstance(value, str):
+                raise InputError(f"{name} must be text, got {type(value).__name__}")
+            return _choice(name, value, self.choices) if self.choices is not None else value
+        if kind == "int":
+            return require_int(name, as_number(value), int(self.minimum), _maybe_int(self.maximum))
+        return require_float(name, as_number(value), self.minimum, self.maximum)
+
 
 def _control(default, *, preview: bool = False, **bounds):
     return field(default=default, metadata={"control": Control(preview=preview, **bounds)})
+
+
+def _maybe_int(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 @dataclass(frozen=True)
@@ -96,7 +115,7 @@ class Controls:
     max_new_tokens: int = _control(DEFAULT_NEW_TOKENS, preview=True, minimum=1, maximum=MAX_NEW_TOKENS_UI, step=1)
     decoding: str = _control("greedy", choices=DECODING)
     temperature: float = _control(0.8, minimum=0.05, maximum=2.0, step=0.05)
-    seed: int = _control(0, minimum=0)
+    seed: int = _control(0, minimum=0, maximum=2**31 - 1)
     skip_on: bool = _control(True)
     layer_policy: str = _control("top", preview=True, choices=LAYER_POLICIES)
     schedule: str = _control("linear", preview=True, choices=SCHEDULE_KINDS)
@@ -124,7 +143,17 @@ class Controls:
 
 
 CONTROLS: Mapping[str, Control] = MappingProxyType({f.name: f.metadata["control"] for f in fields(Controls)})
+# Each control's type, as its field declares it: bool, str, int or float.
+CONTROL_KINDS: Mapping[str, str] = MappingProxyType({f.name: str(f.type) for f in fields(Controls)})
+assert set(CONTROL_KINDS.values()) <= {"bool", "str", "int", "float"}, CONTROL_KINDS
 PREVIEW_CONTROLS = tuple(name for name, control in CONTROLS.items() if control.preview)
+
+
+def check_controls(controls: Controls) -> Controls:
+    """Every control's value checked against its declaration (type, range, choices), used by the settings or not,
+    and typed (6.0 -> 6, "0.5" -> 0.5); the first one out of bounds is an InputError naming what is allowed."""
+    return Controls(**{name: control.check(name, CONTROL_KINDS[name], getattr(controls, name))
+                       for name, control in CONTROLS.items()})
 
 
 @dataclass(frozen=True)
@@ -154,13 +183,6 @@ class ComparisonRequest:
         if self.tuned:
             parts.append("SkipDecode-tuned weights")
         return "; ".join(parts)
-
-
-def _whole(value):
-    """Sliders and JSON clients send 6.0 for 6; the library's checks want integers."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    return value
 
 
 def as_number(value):
@@ -204,53 +226,48 @@ def _budget_percent(value):
 def build_request(num_layers: int, controls: Controls, shapes: dict | None = None) -> ComparisonRequest:
     """The edge: raw control values -> a frozen ``ComparisonRequest``, or an ``InputError``.
 
-    Ranges are checked by the library (``GenerationSettings``, ``SkipDecodeSpec``,
-    ``KVSpec``); here only the app's own choices (on/off, greedy/sample,
-    layers/target) and the unit conversions (% -> fraction, 6.0 -> 6).
+    Every control is checked against its declaration first (``check_controls``: type,
+    range, choices), whether the settings use it or not; then the library checks how
+    the used ones fit the model and each other (``GenerationSettings``,
+    ``SkipDecodeSpec``, ``KVSpec``). Here only the unit conversions (% -> fraction).
     For a constant schedule ``b_min`` is its number of layers. A target speedup takes
     the measured-best shape: ``shapes`` (the model's adapter's table, so that tuned and
     untuned weights run the same schedule) or ``schedules.MEASURED_SHAPES``.
     """
-    c = controls
-    if not isinstance(c.prompt, str):
-        raise InputError(f"prompt must be text, got {type(c.prompt).__name__}")
-    sample = _choice("decoding", c.decoding, DECODING) == "sample"
-    seed = _whole(as_number(c.seed))
-    settings = GenerationSettings(max_new_tokens=_whole(as_number(c.max_new_tokens)), do_sample=sample,
-                                  temperature=as_number(c.temperature), seed=seed)
+    c = check_controls(controls)
+    sample = c.decoding == "sample"
+    settings = GenerationSettings(max_new_tokens=c.max_new_tokens, do_sample=sample, temperature=c.temperature,
+                                  seed=c.seed)
     skip = None
-    if _flag("SkipDecode on/off", c.skip_on):
+    if c.skip_on:
         gen_len = decode_steps(settings.max_new_tokens)
-        common = dict(kind=c.schedule, policy=c.layer_policy, warmup=_whole(as_number(c.warmup)),
-                      exponent=as_number(c.exponent))
-        if _choice("set SkipDecode by", c.set_by, SET_BY) == "target speedup":
-            policy = _choice("layers", c.layer_policy, LAYER_POLICIES)
-            spec = SkipDecodeSpec(target=as_number(c.target_speedup), policy=policy, shapes=shapes)
+        common = dict(kind=c.schedule, policy=c.layer_policy, warmup=c.warmup, exponent=c.exponent)
+        if c.set_by == "target speedup":
+            spec = SkipDecodeSpec(target=c.target_speedup, policy=c.layer_policy, shapes=shapes)
         elif c.schedule == "constant":
-            spec = SkipDecodeSpec(layers=_whole(as_number(c.b_min)), **common)
+            spec = SkipDecodeSpec(layers=c.b_min, **common)
         else:
-            spec = SkipDecodeSpec(b_max=_whole(as_number(c.b_max)), b_min=_whole(as_number(c.b_min)),
-                                  horizon=_whole(as_number(c.horizon)), hold=_whole(as_number(c.hold)), **common)
+            spec = SkipDecodeSpec(b_max=c.b_max, b_min=c.b_min, horizon=c.horizon, hold=c.hold, **common)
         skip = spec.build(num_layers, gen_len)
     kv = None
-    if _flag("KV eviction on/off", c.kv_on):
+    if c.kv_on:
         try:
-            options = dict(tau_init=as_number(c.tau_init), tau_end=as_number(c.tau_end),
-                           observe=_whole(as_number(c.kv_observe)), pool=_whole(as_number(c.kv_pool)),
-                           normalize=_flag("normalize", c.kv_normalize))
+            options = dict(tau_init=c.tau_init, tau_end=c.tau_end, observe=c.kv_observe, pool=c.kv_pool,
+                           normalize=c.kv_normalize)
             # Each method takes its own options; the page shows them all.
-            known = policy_options(c.kv_policy) if c.kv_policy in KV_POLICIES else ()
-            kv = KVSpec(c.kv_policy, _budget_percent(c.kv_budget_pct), _percent(c.kv_recent_pct), seed=seed,
+            known = policy_options(c.kv_policy)
+            kv = KVSpec(c.kv_policy, _percent(c.kv_budget_pct), _percent(c.kv_recent_pct), seed=c.seed,
                         options={k: v for k, v in options.items() if k in known}).build()
         except InputError as error:
             raise InputError(f"{error} (the app's KV budget and recent window are in %: 50 means 0.5)") from None
-    return ComparisonRequest(model=c.model, prompt=c.prompt, settings=settings, skip=skip, kv=kv,
-                             tuned=_flag("tuned weights on/off", c.tuned), exact=exact_decoding(c, skip, kv, sample))
+    return ComparisonRequest(model=c.model, prompt=c.prompt, settings=settings, skip=skip, kv=kv, tuned=c.tuned,
+                             exact=exact_decoding(c, skip, kv, sample))
 
 
 def exact_decoding(c: Controls, skip: SkipDecode | None, kv: KVPolicy | None, sample: bool) -> ExactDecoding | None:
-    """The exact-mode controls as an ``ExactDecoding`` (None when off), or an InputError saying why not."""
-    if not _flag("exact on/off", c.exact):
+    """The exact-mode controls (checked: ``check_controls``) as an ``ExactDecoding`` (None when off), or an
+    InputError saying why not."""
+    if not c.exact:
         return None
     if skip is None:
         raise InputError("exact mode drafts with SkipDecode's layers: turn SkipDecode on (or turn exact off)")
@@ -261,9 +278,7 @@ def exact_decoding(c: Controls, skip: SkipDecode | None, kv: KVPolicy | None, sa
     if sample:
         raise InputError("exact mode is greedy only: it keeps a draft where it equals the full model's greedy "
                          "token; set decoding to greedy (or turn exact off)")
-    head = _choice("draft head", c.draft_head, tuple(DRAFT_HEADS))
-    k = require_int("draft k", as_number(c.draft_k), 1, APP_DRAFT_K_MAX, hi_is=" (longer drafts measured slower)")
-    return ExactDecoding(k, draft_vocab=DRAFT_HEADS[head])
+    return ExactDecoding(c.draft_k, draft_vocab=DRAFT_HEADS[c.draft_head])
 
 
 def preview_schedule(num_layers: int, controls: Controls, shapes: dict | None = None):
