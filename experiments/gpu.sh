@@ -9,6 +9,8 @@
 #   offload     bench SkipDecode at 1.5/2/3x on random:opt-1.3b with 1 GiB of GPU memory, the rest offloaded to
 #               the CPU: the transfer ratio against the measured speedup, over PCIe
 #   app         one app comparison through gradio_client, the app's model on cuda
+#   exact       exact mode on Spec-Bench's test half (two questions a category, SPEC_BENCH or
+#               ../shared/data/spec_bench/question.jsonl), beside generate, its prompt lookup and early exit
 #
 # Results go to DIR (default assets/results) as gpu_*.json, each step's output to gpu_*.log, and
 # gpu_summary.json says which steps passed and how long each took. The whole check stays under a time budget
@@ -82,6 +84,8 @@ if (( dry )); then
         --offload-dir "$offload" --prompt-tokens 16 --max-new-tokens 4 --batch 1 --repeats 1 --warmup 0 \
         --no-generate --compare-targets 1.5 2 3 --output "$out/gpu_bench_offload_opt1.3b.json"
     step app 180 $py -m experiments.gpu_check app --device cpu --tiny --output "$out/gpu_app.json"
+    step exact 120 $bench --model random:llama-68m --device cpu --dtype float32 --prompts tests/data/questions.jsonl \
+        --part test --exact --max-new-tokens 4 --repeats 1 --output "$out/gpu_bench_exact_specbench.json"
 else
     # Estimated on an H200 (not yet run on one): tests 150 s (40-90 s of it converting the embedded model on a
     # fresh machine), the OPT benches 40 + 50 s, the app 20 s, offload 50 s, KV 80 s: about 390 s in all.
@@ -99,6 +103,9 @@ else
     step offload 90 $bench --model random:opt-1.3b --device-map auto --max-memory 0:1GiB,cpu:64GiB \
         --prompt-tokens 64 --max-new-tokens 32 --batch 1 --repeats 1 --warmup 1 --no-generate \
         --compare-targets 1.5 2 3 --output "$out/gpu_bench_offload_opt1.3b.json"
+    step exact 90 $bench --model embedded --device cuda --adapter assets/skipdecode-lora \
+        --prompts "${SPEC_BENCH:-../shared/data/spec_bench/question.jsonl}" --part test --per-category 2 --exact \
+        --max-new-tokens 64 --repeats 1 --output "$out/gpu_bench_exact_specbench.json"
 fi
 
 [[ -f $out/gpu_tests.xml ]] && $py -m experiments.gpu_check junit "$out/gpu_tests.xml" "$out/gpu_tests.json" \

@@ -15,7 +15,7 @@ from skipkey.core.random_models import RANDOM_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "gpu.sh"
-STEPS = ["tests", "skip_opt1.3b", "kv", "offload", "app"]
+STEPS = ["tests", "skip_opt1.3b", "kv", "offload", "app", "exact"]
 
 
 def test_the_dry_run_passes_every_step_and_writes_its_results(tmp_path):
@@ -35,6 +35,8 @@ def test_the_dry_run_passes_every_step_and_writes_its_results(tmp_path):
     assert "disk" in offload["placement"]["device_map"].values()
     assert all(r["transfer_ratio"] > 1 for r in offload["rows"] if r["variant"].startswith("skip"))
     assert json.loads((tmp_path / "gpu_app.json").read_text())["status"].startswith("**Done**")
+    exact = json.loads((tmp_path / "gpu_bench_exact_specbench.json").read_text())
+    assert exact["part"] == "test" and exact["overall"]["contenders"]["full"]["identical"] == exact["overall"]["prompts"]
 
 
 def test_the_gpu_run_asks_for_what_the_issue_asks():
@@ -44,7 +46,8 @@ def test_the_gpu_run_asks_for_what_the_issue_asks():
                    "--model random:opt-6.7b --device cuda", "--batch 1 8", "--compare-targets 1.5 2 3 5",
                    "--model random:llama-7b --device cuda --dtype bfloat16 --prompt-tokens 4096",
                    "--max-new-tokens 256", "--compare-kv $kv_policies", "--kv-budget 0.5",
-                   "experiments.gpu_check app --device cuda", "--device-map auto --max-memory 0:1GiB"]:
+                   "experiments.gpu_check app --device cuda", "--device-map auto --max-memory 0:1GiB",
+                   "--prompts \"${SPEC_BENCH:-../shared/data/spec_bench/question.jsonl}\" --part test"]:
         assert needed in gpu_run, needed
     assert "SKIPKEY_GPU_BUDGET_S:-450" in SCRIPT.read_text()  # under 8 minutes, with room to start
 
