@@ -76,6 +76,20 @@ def relabelled_adapter(adapter, directory, policy: str):
     return copy
 
 
+def record_logits(monkeypatch, arch) -> list:
+    """Make ``arch.head`` keep every call's logits, in call order: what the engine decided each token from,
+    after the family's own final transform (Gemma's soft cap, Granite's scaling)."""
+    seen = []
+    head = arch.head
+
+    def recording_head(hidden):
+        seen.append(head(hidden))
+        return seen[-1]
+
+    monkeypatch.setattr(arch, "head", recording_head)
+    return seen
+
+
 @contextlib.contextmanager
 def serving(demo):
     """Launch a built demo on a free loopback port; yield its URL; close it after."""

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from conftest import PROMPTS
+from conftest import PROMPTS, record_logits
 from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
+from skipkey.core.tiny import FAMILIES
 from skipkey.skipdecode.schedules import PAPER_SHAPE, ConstantSchedule, LinearSchedule, PowerLawSchedule, schedule_for_target
 from skipkey.skipdecode.plan import SkipDecode
 from skipkey.quality.teacher_forced import teacher_forced_logits
@@ -47,29 +48,23 @@ def test_each_step_runs_exactly_its_layer_set(tiny_models, schedule, policy):
     assert all(b <= a for a, b in zip(sets, sets[1:])), "E(t+1) must be a subset of E(t)"
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "opt"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("policy", ["top", "importance"])
-def test_cached_skipping_decode_equals_no_cache_reference(tiny_models, family, policy):
+def test_cached_skipping_decode_equals_no_cache_reference(tiny_models, monkeypatch, family, policy):
     lm = tiny_models(family)
     engine = Engine(lm, skip=SkipDecode(LinearSchedule(b_max=6, b_min=2, horizon=12), policy))
     prompt_ids = lm.tokenizer(PROMPTS[2])["input_ids"]
-    logits, layer_sets, tokens = [], [], []
-    # Capture the engine's logits by recomputing them from the trace is circular; hook the head.
-    head_out = []
-    hook = lm.model.lm_head.register_forward_hook(lambda m, a, o: head_out.append(o[0, -1].float()))
-    try:
-        for event in engine.generate([prompt_ids], GenerationSettings(max_new_tokens=20)):
-            tokens.append(event.tokens[0])
-            layer_sets.append(event.layers)
-    finally:
-        hook.remove()
+    layer_sets, tokens = [], []
+    # Capture the engine's logits by recomputing them from the trace is circular; record the head's.
+    head_out = record_logits(monkeypatch, engine.arch)
+    for event in engine.generate([prompt_ids], GenerationSettings(max_new_tokens=20)):
+        tokens.append(event.tokens[0])
+        layer_sets.append(event.layers)
+    monkeypatch.undo()
     ids = torch.tensor([prompt_ids + tokens[:-1]], device=lm.device)
     with torch.no_grad():
         ref = teacher_forced_logits(engine.arch, ids, len(prompt_ids), layer_sets[1:])
-    engine_logits = torch.stack(head_out)
-    if family == "gemma3" and lm.model.config.final_logit_softcapping:
-        engine_logits = torch.tanh(engine_logits / lm.model.config.final_logit_softcapping) * \
-            lm.model.config.final_logit_softcapping
+    engine_logits = torch.stack([logits[0, -1] for logits in head_out])
     torch.testing.assert_close(engine_logits, ref[len(prompt_ids) - 1:], rtol=1e-4, atol=1e-4)
     # Skipping must actually change something, or this test proves nothing.
     full = teacher_forced_logits(engine.arch, ids, len(prompt_ids))

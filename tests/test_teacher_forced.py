@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from conftest import PROMPTS
+from conftest import PROMPTS, record_logits
 from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
+from skipkey.core.tiny import FAMILIES
 from skipkey.errors import InputError
 from skipkey.skipdecode.schedules import LinearSchedule
 from skipkey.skipdecode.plan import SkipDecode
@@ -18,14 +19,7 @@ def engine_run(lm, monkeypatch, policy="top"):
     """Prompt ids, generated tokens per row, layer sets and the engine's own logits ``[B, N, V]``."""
     importance = (0.5, 0.1, 0.4, 0.2, 0.3, 0.6) if policy == "importance" else None
     engine = Engine(lm, skip=SkipDecode(LinearSchedule(b_max=6, b_min=2, horizon=10), policy, importance))
-    seen = []
-    head = engine.arch.head
-
-    def recording_head(hidden):
-        seen.append(head(hidden))
-        return seen[-1]
-
-    monkeypatch.setattr(engine.arch, "head", recording_head)
+    seen = record_logits(monkeypatch, engine.arch)
     prompt_ids = [lm.tokenizer(p)["input_ids"] for p in PROMPTS]
     tokens, layer_sets = [], []
     for event in engine.generate(prompt_ids, GenerationSettings(max_new_tokens=STEPS, ignore_eos=True)):
@@ -51,7 +45,7 @@ def padded(prompt_ids, generated, side):
     return ids, mask, at
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "opt"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("policy", ["top", "importance"])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_batch_equals_engine_cached_decode(tiny_models, monkeypatch, family, policy, side):

@@ -40,19 +40,29 @@ class Architecture:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.config = model.config
+        self.config = model.config.get_text_config(decoder=True)  # a multimodal model's text decoder
         install_attention(model)
         cfg = self.config
         self.num_layers: int = cfg.num_hidden_layers
         self.num_heads: int = cfg.num_attention_heads
-        self.num_kv_heads: int = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.layer_info = tuple(LayerInfo(self._sliding_window(i)) for i in range(self.num_layers))
+
+    @classmethod
+    def unsupported(cls, config) -> str | None:
+        """Why a model of this family (``config``: its text config) does not fit the engine, or None."""
+        return None
 
     # -- architecture hooks -------------------------------------------------
     @property
+    def decoder(self) -> nn.Module:
+        """The module holding the embedding, the decoder layers and the final norm (a multimodal model's
+        language model; its vision or audio towers never run: SkipKey decodes text)."""
+        base = self.model.model
+        return getattr(base, "language_model", base)
+
+    @property
     def layers(self) -> nn.ModuleList:
-        return self.model.model.layers
+        return self.decoder.layers
 
     def _sliding_window(self, idx: int) -> int | None:
         window = getattr(self.config, "sliding_window", None)
@@ -62,16 +72,16 @@ class Architecture:
         return window
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.model.embed_tokens(input_ids)
+        return self.decoder.embed_tokens(input_ids)
 
     def position_inputs(self, hidden: torch.Tensor, positions: torch.Tensor) -> list[dict]:
         """Keyword arguments for each layer that depend only on the positions (RoPE tables)."""
-        cos_sin = self.model.model.rotary_emb(hidden, position_ids=positions)
+        cos_sin = self.decoder.rotary_emb(hidden, position_ids=positions)
         kwargs = {"position_embeddings": cos_sin, "position_ids": positions}
         return [kwargs] * self.num_layers
 
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.model.norm(hidden)
+        return self.decoder.norm(hidden)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for ``hidden`` (already the positions wanted), as float32 like ``generate``."""
@@ -121,20 +131,32 @@ class Architecture:
 
 
 class LlamaArchitecture(Architecture):
-    """Llama, Qwen2, Mistral and other Llama-shaped decoders."""
+    """Llama-shaped decoders: one RoPE table for every layer; what differs between these families (q/k norms,
+    post-norms, a fused QKV projection, layers without RoPE, partial rotary dimensions) is inside their own layers."""
 
-    families = ("llama", "qwen2", "mistral")
+    families = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "olmo2")
 
 
-class Gemma3Architecture(Architecture):
-    """Gemma 3 text models: separate RoPE tables for local (sliding) and global layers."""
-
-    families = ("gemma3_text", "gemma3")
+class RopePerLayerType:
+    """Mixin for decoders with one RoPE table per layer type (local sliding and global layers)."""
 
     def position_inputs(self, hidden, positions):
-        rotary = self.model.model.rotary_emb
-        tables = {t: rotary(hidden, positions, t) for t in set(self.config.layer_types)}
-        return [{"position_embeddings": tables[t], "position_ids": positions} for t in self.config.layer_types]
+        rotary = self.decoder.rotary_emb
+        layer_types = self.config.layer_types
+        tables = {t: rotary(hidden, positions, t) for t in set(layer_types)}
+        return [{"position_embeddings": tables[t], "position_ids": positions} for t in layer_types]
+
+
+class Olmo3Architecture(RopePerLayerType, Architecture):
+    """OLMo 3: OLMo 2's post-norm layers with sliding-window layers, each layer type with its own RoPE table."""
+
+    families = ("olmo3",)
+
+
+class Gemma2Architecture(Architecture):
+    """Gemma 2: attention logits soft-capped (in ``skipkey.core.attention``) and the final logits too."""
+
+    families = ("gemma2",)
 
     def cap_logits(self, logits):
         cap = getattr(self.config, "final_logit_softcapping", None)
@@ -143,17 +165,70 @@ class Gemma3Architecture(Architecture):
         return logits
 
 
+class Gemma3Architecture(RopePerLayerType, Gemma2Architecture):
+    """Gemma 3 text models (and a multimodal Gemma 3's language model): separate RoPE tables for local
+    (sliding) and global layers."""
+
+    families = ("gemma3_text", "gemma3")
+
+
+class Gemma4Architecture(Gemma3Architecture):
+    """Gemma 4's text decoder (alone, in a multimodal model, or the "unified" dense one, gemma-4-12B) where each
+    layer owns its keys and values and its feed-forward is dense.
+
+    Its global layers have their own head size and KV heads, keys may double as values and attention is
+    unscaled after q/k norms: all inside its layers, which the engine runs as they are.
+    """
+
+    families = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
+
+    @classmethod
+    def unsupported(cls, config):
+        reasons = []
+        if config.num_kv_shared_layers:
+            reasons.append(f"its last {config.num_kv_shared_layers} layers reuse earlier layers' keys and values, "
+                           "but SkipKey caches, evicts and skips each layer's own")
+        # The unified model's config has no per-layer inputs or experts at all.
+        if getattr(config, "hidden_size_per_layer_input", 0):
+            reasons.append("its per-layer input embeddings are computed from the token ids for every layer, "
+                           "which SkipKey's layer calls do not carry")
+        if getattr(config, "enable_moe_block", False):
+            reasons.append("its mixture-of-experts blocks are not a dense decoder")
+        if config.use_bidirectional_attention == "all":
+            reasons.append("its attention is bidirectional, not causal")
+        return "; ".join(reasons) or None
+
+    def position_inputs(self, hidden, positions):
+        # The last layer of each type stores its keys and values for layers that would reuse them
+        # (none here: ``unsupported``); they need somewhere to put them.
+        shared = {}
+        return [{**kwargs, "shared_kv_states": shared} for kwargs in super().position_inputs(hidden, positions)]
+
+
+class GraniteArchitecture(Architecture):
+    """Granite: Llama-shaped with multipliers. The embedding's and the logits' are applied here; the residual
+    multiplier and the attention scale (``attention_multiplier``) are inside its layers."""
+
+    families = ("granite",)
+
+    def embed(self, input_ids, positions):
+        return self.decoder.embed_tokens(input_ids) * self.decoder.embedding_multiplier
+
+    def head(self, hidden):
+        return self.model.lm_head(self.norm(hidden)).float() / self.config.logits_scaling
+
+
 class OPTArchitecture(Architecture):
     """OPT: learned absolute positions (offset 2), optional in/out projections."""
 
     families = ("opt",)
 
     @property
-    def layers(self):
-        return self.model.model.decoder.layers
+    def decoder(self):
+        return self.model.model.decoder
 
     def embed(self, input_ids, positions):
-        dec = self.model.model.decoder
+        dec = self.decoder
         hidden = dec.embed_tokens(input_ids)
         if dec.project_in is not None:
             hidden = dec.project_in(hidden)
@@ -163,7 +238,7 @@ class OPTArchitecture(Architecture):
         return [{"position_ids": positions}] * self.num_layers
 
     def norm(self, hidden):
-        dec = self.model.model.decoder
+        dec = self.decoder
         if dec.final_layer_norm is not None:
             hidden = dec.final_layer_norm(hidden)
         if dec.project_out is not None:
@@ -171,16 +246,30 @@ class OPTArchitecture(Architecture):
         return hidden
 
 
-ARCHITECTURES = (LlamaArchitecture, Gemma3Architecture, OPTArchitecture)
+ARCHITECTURES = (LlamaArchitecture, Olmo3Architecture, Gemma2Architecture, Gemma3Architecture, Gemma4Architecture,
+                 GraniteArchitecture, OPTArchitecture)
+SUPPORTED_TYPES = tuple(family for cls in ARCHITECTURES for family in cls.families)
+
+# Families transformers knows that do not have the engine's shape, and why (the rest are simply not listed).
+_QWEN3_5 = ("Qwen 3.5 is hybrid: three in four of its layers are Gated DeltaNet linear attention, whose recurrent "
+            "state is not a KV cache SkipKey can evict or skip")
+REFUSED_TYPES = {"qwen3_5": _QWEN3_5, "qwen3_5_text": _QWEN3_5}
 
 
 def architecture_for(model: nn.Module) -> Architecture:
-    """A new architecture for ``model``'s family, or an InputError naming the supported ones."""
+    """A new architecture for ``model``'s family, or an InputError saying why not and naming the supported ones."""
     model_type = getattr(model.config, "model_type", None)
+    supported = ", ".join(SUPPORTED_TYPES)
     for cls in ARCHITECTURES:
         if model_type in cls.families:
-            return cls(model)
-    supported = ", ".join(f for cls in ARCHITECTURES for f in cls.families)
+            reason = cls.unsupported(model.config.get_text_config(decoder=True))
+            if reason is None:
+                return cls(model)
+            raise InputError(f"this {model_type!r} model does not fit SkipKey: {reason} "
+                             f"(supported types: {supported})")
+    if model_type in REFUSED_TYPES:
+        raise InputError(f"model type {model_type!r} is not supported: {REFUSED_TYPES[model_type]} "
+                         f"(supported types: {supported})")
     raise InputError(f"model type {model_type!r} is not supported; supported types: {supported}")
 
 
@@ -209,5 +298,5 @@ def cached_architecture(model: nn.Module) -> Architecture | None:
     return getattr(model, _ATTRIBUTE, None)
 
 
-__all__ = ["ARCHITECTURES", "ATTENTION_NAME", "Architecture", "LayerInfo", "architecture_for",
-           "cached_architecture", "get_architecture"]
+__all__ = ["ARCHITECTURES", "ATTENTION_NAME", "REFUSED_TYPES", "SUPPORTED_TYPES", "Architecture", "LayerInfo",
+           "architecture_for", "cached_architecture", "get_architecture"]

@@ -5,7 +5,8 @@ keys, call ``KVCache.update`` and then this function. Here we
 
 * build the mask from the *positions* each cache slot holds (never from slot
   indices), so evicted, trimmed and padded caches all mask correctly;
-* compute the output with transformers' SDPA path, exactly as ``generate`` does;
+* compute the output with transformers' SDPA path, exactly as ``generate`` does, or, where the
+  model soft-caps its attention logits (Gemma 2), with the eager attention its own code runs;
 * when a KV policy scores tokens (H2O, Keyformer), call the scorer the engine put
   into the ``StepState`` (``Scorer``; ``skipkey.kv.scoring`` implements it): for the
   prompt it scores after the output, which keeps the fast fused kernel; a decode
@@ -35,11 +36,12 @@ class Scorer(Protocol):
     """How a KV policy scores cached tokens, called by the attention function (``skipkey.kv.scoring``)."""
 
     def score_prompt(self, layer, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
-                     state: "StepState") -> None:
-        """Add the prompt queries' contributions to ``layer.scores`` (after the output was computed)."""
+                     state: "StepState", softcap: float | None = None) -> None:
+        """Add the prompt queries' contributions to ``layer.scores`` (after the output was computed);
+        ``softcap``: the model caps its attention logits there (``cap_logits``)."""
 
     def attend_and_score(self, layer, layer_idx: int, query: torch.Tensor, visible: tuple, scaling: float,
-                         state: "StepState") -> torch.Tensor:
+                         state: "StepState", softcap: float | None = None) -> torch.Tensor:
         """A decode step's attention output, its contributions added to ``layer.scores`` on the way."""
 
 
@@ -55,7 +57,7 @@ class StepState:
     accumulate: bool = True  # add each step's contribution (H2O, Keyformer) or replace it (TOVA)
     observe: int = 0  # prompt scores from each row's last ``observe`` queries only (0: all)
     position_limit: int | None = None  # every query position is below this
-    # When set, each layer's prompt queries, keys, values and scale are kept here by layer index,
+    # When set, each layer's prompt queries, keys, values, scale and soft cap are kept here by layer index,
     # so several KV policies can later start from one prompt pass (``replay_prompt``).
     capture: dict | None = None
 
@@ -96,6 +98,41 @@ def _expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | N
     return mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
 
 
+def cap_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)``, as Gemma 2's eager attention caps its (scaled) logits."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def softcapped_attention(module, query, key, value, mask: torch.Tensor | None, dropout: float, scaling: float,
+                         softcap: float) -> torch.Tensor:
+    """The model's own eager attention with capped logits (SDPA cannot cap), on SDPA's masks: boolean
+    (True: may see), or None for causal (each query sees the slots up to its own, as SDPA's ``is_causal``).
+
+    Each KV head's query heads are stacked against its keys, so the cache is never repeated per query head.
+    """
+    b, hq, q, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
+    grouped = query.reshape(b, hkv, hq // hkv * q, d)
+    logits = cap_logits(torch.matmul(grouped, key.transpose(2, 3)).view(b, hq, q, s) * scaling, softcap)
+    if mask is None and q > 1:
+        mask = torch.ones(q, s, dtype=torch.bool, device=query.device).tril_()
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    out = torch.matmul(probs.view(b, hkv, hq // hkv * q, s), value).view(b, hq, q, -1)
+    return out.transpose(1, 2).contiguous()
+
+
+def attention_output(module, query, key, value, mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """SDPA's output, exactly as ``generate`` computes it; eager attention where the model caps its logits."""
+    softcap = kwargs.pop("softcap", None)
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return softcapped_attention(module, query, key, value, mask, dropout, scale, softcap), None
+
+
 NO_NOISE = (torch.empty(0), torch.empty(0, dtype=torch.long))  # "no noise" for the fused kernels
 _UNSCORED = (torch.empty(0), False, *NO_NOISE, 1, 1.0)  # ``attend_score``'s scoring arguments: none
 
@@ -117,36 +154,37 @@ def attend_fused(fused, layer, query, visible: tuple, scaling: float, state: Ste
 def skipkey_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                       scaling: float | None = None, step_state: StepState | None = None, **kwargs):
     """transformers' attention interface (its signature is theirs); plain SDPA without an engine state."""
-    kwargs.pop("sliding_window", None)
+    kwargs.pop("sliding_window", None)  # the engine's cache knows each layer's window (``LayerInfo``)
     if step_state is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return attention_output(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     layer = step_state.cache.layers[module.layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
     if step_state.capture is not None:
-        step_state.capture[module.layer_idx] = (query, key, value, scale)
+        step_state.capture[module.layer_idx] = (query, key, value, scale, softcap)
     key, value = layer.write(key, value, step_state.query_positions, step_state.dense, step_state.start_score)
     positions = layer.visible_positions()
     scorer = step_state.contribution if layer.scored else None
     if scorer is not None and query.shape[2] == 1:
-        return scorer.attend_and_score(layer, module.layer_idx, query, (key, value, positions), scale, step_state), None
-    fused = kernels.for_tensors(key, value) if layer.reuse and query.shape[2] == 1 else None
+        return scorer.attend_and_score(layer, module.layer_idx, query, (key, value, positions), scale, step_state,
+                                       softcap), None
+    # The fused kernel does not cap logits: a soft-capped model's evicting layers attend eagerly.
+    fused = kernels.for_tensors(key, value) if layer.reuse and query.shape[2] == 1 and softcap is None else None
     if fused is not None:  # an evicting layer that needs no scores (window, streaming): the output alone
         return attend_fused(fused, layer, query, (key, value, positions), scale, step_state), None
     mask = mask_for_output(layer, positions, step_state.query_positions)
-    out, _ = sdpa_attention_forward(module, query, key, value, _expand_heads(mask, query.shape[1]), dropout=0.0,
-                                    scaling=scaling, **kwargs)
+    out, _ = attention_output(module, query, key, value, _expand_heads(mask, query.shape[1]), 0.0, scaling, **kwargs)
     if scorer is not None:
-        scorer.score_prompt(layer, module.layer_idx, query, key, scale, step_state)
+        scorer.score_prompt(layer, module.layer_idx, query, key, scale, step_state, softcap)
     return out, None
 
 
 def replay_prompt(layer, layer_idx: int, captured, state: StepState) -> None:
     """Fill a layer's cache from a recorded prompt pass, scoring it as the attention function would have."""
-    query, key, value, scale = captured
+    query, key, value, scale, softcap = captured
     key, _ = layer.write(key, value, state.query_positions, state.dense)
     if state.contribution is not None and layer.scored:
-        state.contribution.score_prompt(layer, layer_idx, query, key, scale, state)
+        state.contribution.score_prompt(layer, layer_idx, query, key, scale, state, softcap)
 
 
 def install_attention(model) -> None:

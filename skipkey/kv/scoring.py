@@ -5,7 +5,8 @@ a step, the engine puts a ``ScoreContribution`` into the ``StepState`` and the
 attention function calls its two methods, ``score_prompt`` (the prompt's logits
 computed a second time, for the score only, in query chunks) and
 ``attend_and_score`` (a decode step's logits computed once, for the output and the
-score). On CPU both run in one fused C++ call (``skipkey.core.kernels``).
+score). On CPU both run in one fused C++ call (``skipkey.core.kernels``), except where the model
+soft-caps its attention logits (Gemma 2): the kernels do not cap, so those run eagerly.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from skipkey.core import kernels
-from skipkey.core.attention import NO_NOISE, StepState, allowed_keys, attend_fused, mask_for_output
+from skipkey.core.attention import NO_NOISE, StepState, allowed_keys, attend_fused, cap_logits, mask_for_output
 from skipkey.kv.noise import NOISE_COLS, gumbel_noise, noise_table, query_starts
 
 SCORE_CHUNK = 256  # prompt queries scored at once; bounds prefill memory on long prompts
@@ -64,20 +65,21 @@ class ScoreContribution:
         return torch.softmax(noisy.div_(self.tau) if self.tau != 1.0 else noisy, dim=-1)
 
     def score_prompt(self, layer, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
-                     state: StepState) -> None:
+                     state: StepState, softcap: float | None = None) -> None:
         """The prompt's queries add their contribution to ``layer.scores`` (``accumulate_scores``)."""
-        accumulate_scores(layer, layer_idx, query, key, scaling, state)
+        accumulate_scores(layer, layer_idx, query, key, scaling, state, softcap)
 
     def attend_and_score(self, layer, layer_idx: int, query: torch.Tensor, visible: tuple, scaling: float,
-                         state: StepState) -> torch.Tensor:
+                         state: StepState, softcap: float | None = None) -> torch.Tensor:
         """One decode query per row: the logits are computed once, for the output and for the score.
 
         ``visible`` is what ``LayerCache.write`` returned plus its positions: (keys, values, positions).
+        ``softcap``: the model caps its attention logits (``cap_logits``).
         """
-        fused = kernels.for_tensors(visible[0], visible[1])
+        fused = kernels.for_tensors(visible[0], visible[1]) if softcap is None else None
         if fused is not None:
             return _attend_and_score_fused(fused, layer, layer_idx, query, visible, scaling, state)
-        return _attend_and_score(layer, layer_idx, query, visible, scaling, state)
+        return _attend_and_score(layer, layer_idx, query, visible, scaling, state, softcap)
 
 
 def _fused_noise(contribution: ScoreContribution, layer_idx: int, hkv: int, groups: int, query_positions,
@@ -114,12 +116,13 @@ def _skipped_before(layer, query_positions: torch.Tensor, observe: int) -> torch
 
 
 def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
-                      state: StepState) -> None:
+                      state: StepState, softcap: float | None = None) -> None:
     """Add each prompt query's score contribution to ``layer.scores`` [B, Hkv, S], summed over GQA groups.
 
     Logits are computed in the model's dtype (as eager attention does) in query
     chunks, so prefill memory stays bounded. ``state.observe`` > 0 scores only each
-    row's last ``observe`` queries (SnapKV's observation window).
+    row's last ``observe`` queries (SnapKV's observation window). ``softcap``: the model caps its
+    attention logits (``cap_logits``).
     """
     b, hq, q, d = query.shape
     hkv = key.shape[1]
@@ -131,7 +134,7 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
     # chunk's queries see no slot after ``stop`` and, in a sliding layer, none before its window.
     # Scoring only that band is exact and halves the work of a long prompt.
     prompt_only = q == key.shape[2]
-    chunks = _PromptChunks(layer, layer_idx, query * scaling, key, state, prompt_only)
+    chunks = _PromptChunks(layer, layer_idx, query * scaling, key, state, prompt_only, softcap)
     first = max(0, q - observe) if observe > 0 and prompt_only else 0
     for start in range(first, q, SCORE_CHUNK):
         stop = min(q, start + SCORE_CHUNK)
@@ -153,15 +156,15 @@ class _PromptChunks:
     """One layer's prompt queries, scored a chunk at a time into a running total (``accumulate_scores``)."""
 
     def __init__(self, layer, layer_idx: int, queries: torch.Tensor, key: torch.Tensor, state: StepState,
-                 prompt_only: bool):
+                 prompt_only: bool, softcap: float | None):
         self.layer, self.layer_idx, self.queries, self.state = layer, layer_idx, queries, state
-        self.prompt_only = prompt_only
+        self.prompt_only, self.softcap = prompt_only, softcap
         query_positions = state.query_positions
         self.first_slot_position = query_positions.max(dim=1).values - (query_positions.shape[1] - 1)
         # With no padding and no window, a chunk's queries see every key before the chunk: only the
         # diagonal block needs the causal mask.
         self.block_only = prompt_only and layer.window is None and bool((query_positions >= 0).all())
-        self.fused = kernels.for_tensors(queries, key)
+        self.fused = kernels.for_tensors(queries, key) if softcap is None else None  # the kernel does not cap
         if self.fused is not None:  # keys packed once per layer for the kernel's products
             self.packed = kernels.pack_keys(self.fused, key)
         else:
@@ -182,7 +185,8 @@ class _PromptChunks:
                                     positions, layer.window or 0, *noise, NOISE_COLS, float(contribution.tau),
                                     total[:, :, lo:hi])
             return
-        logits = torch.matmul(qc, self.keys_t[..., lo:hi]).float().view(b, hkv, groups, n, hi - lo)
+        logits = cap_logits(torch.matmul(qc, self.keys_t[..., lo:hi]).float(), self.softcap)
+        logits = logits.view(b, hkv, groups, n, hi - lo)
         if self.block_only:
             causal = torch.ones(n, n, dtype=torch.bool, device=qc.device).tril_()
             logits[..., start - lo:].masked_fill_(~causal, float("-inf"))
@@ -199,8 +203,10 @@ class _PromptChunks:
                                            probs.reshape(b, hkv, groups * n, hi - lo))[:, :, 0]
 
 
-def _attend_and_score(layer, layer_idx: int, query, visible: tuple, scaling: float, state: StepState) -> torch.Tensor:
-    """``ScoreContribution.attend_and_score`` as matmul-softmax-matmul (no fused kernel for these tensors)."""
+def _attend_and_score(layer, layer_idx: int, query, visible: tuple, scaling: float, state: StepState,
+                      softcap: float | None = None) -> torch.Tensor:
+    """``ScoreContribution.attend_and_score`` as matmul-softmax-matmul (no fused kernel for these tensors, or
+    capped logits)."""
     key, value, positions = visible
     b, hq, _, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
@@ -213,7 +219,7 @@ def _attend_and_score(layer, layer_idx: int, query, visible: tuple, scaling: flo
         logits = torch.matmul(q, key.transpose(-1, -2))
     else:
         logits = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)
-    logits = logits.float()  # [B, Hkv, G, S]
+    logits = cap_logits(logits.float(), softcap)  # [B, Hkv, G, S]
     mask = mask_for_output(layer, positions, state.query_positions)
     if mask is not None:
         logits.masked_fill_(~mask[:, :, 0, None, :], float("-inf"))
