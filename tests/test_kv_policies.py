@@ -232,6 +232,32 @@ def test_prefill_scores_are_the_same_in_any_chunking(monkeypatch, window):
     assert whole[1, :, :pad].abs().sum() == 0 and whole[survives].min() > 0  # padding is never scored
 
 
+def test_a_soft_capped_layer_scores_its_capped_attention_weights():
+    """Gemma 2 caps its attention logits: H2O's prompt scores are then the weights its attention really used."""
+    import skipkey.kv.scoring as scoring
+    from skipkey.core.attention import StepState
+    from skipkey.core.cache import LayerCache
+
+    torch.manual_seed(0)
+    b, hkv, groups, s, d, cap = 1, 2, 2, 30, 8, 1.0
+    query, key = torch.randn(b, hkv * groups, s, d), torch.randn(b, hkv, s, d)
+    qpos = torch.arange(s)[None]
+
+    def scores(softcap):
+        layer = LayerCache(None)
+        layer.write(key, key, qpos, dense=True)
+        scoring.accumulate_scores(layer, 3, query, key, d ** -0.5, StepState(
+            cache=None, query_positions=qpos, contribution=make_kv_policy("h2o", budget=0.5).score_contribution(0, 1)),
+            softcap)
+        return layer.scores
+
+    logits = query @ key.repeat_interleave(groups, dim=1).transpose(-1, -2) * d ** -0.5
+    capped = (torch.tanh(logits / cap) * cap).masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    weights = torch.softmax(capped, dim=-1).sum(dim=2).view(b, hkv, groups, s).sum(dim=2)
+    torch.testing.assert_close(scores(cap), weights, rtol=1e-5, atol=1e-5)
+    assert (scores(None) - weights).abs().max() > 1e-2  # the cap matters here
+
+
 def test_gumbel_noise_is_finite_for_every_draw():
     """The extreme 24-bit draws (0 and 2**24 - 1) give finite noise: in float32 the top one used to round to
     u = 1.0, an infinite Gumbel value, a NaN softmax row, and a whole head's scores turned to NaN."""

@@ -1,6 +1,6 @@
 """The repository keeps its promises: CI runs the README's test command; the Space config matches; the README's
-headline table is what the generator prints and its library example runs; assets/ holds data and experiments/ uses
-only the public API."""
+headline table and the deploy guide's model families are what their generators print, and the README's library
+example runs; assets/ holds data and experiments/ uses only the public API."""
 
 import re
 from pathlib import Path
@@ -41,7 +41,7 @@ def test_space_front_matter_matches_requirements():
 
 
 def test_no_remote_code_and_no_share_links():
-    for path in [ROOT / "app.py", *(ROOT / "skipkey").glob("*.py")]:
+    for path in [ROOT / "app.py", *(ROOT / "skipkey").rglob("*.py")]:
         source = path.read_text()
         assert "trust_remote_code=True" not in source, path
         assert "share=True" not in source, path
@@ -154,6 +154,22 @@ def test_the_readme_headline_table_is_what_the_generator_prints():
     quoted = re.search(r"<!-- headline:start -->\n(.*?)\n<!-- headline:end -->", text, flags=re.S)
     assert quoted, "the README marks its headline table"
     assert quoted.group(1).strip() == table().strip(), "rerun: python -m experiments.headline"
+
+
+def test_the_deploy_guides_model_families_are_what_the_generator_prints():
+    from experiments.families import table
+
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    quoted = re.search(r"<!-- families:start -->\n(.*?)\n<!-- families:end -->", text, flags=re.S)
+    assert quoted, "docs/deploy.md marks its table of model families"
+    assert quoted.group(1).strip() == table().strip(), "rerun: python -m experiments.families"
+
+
+def test_every_supported_type_and_only_those_suggest_a_hub_model():
+    from skipkey.core.architectures import SUPPORTED_TYPES
+    from skipkey.serving.models import SUGGESTED_MODELS
+
+    assert sorted(SUGGESTED_MODELS) == sorted(SUPPORTED_TYPES)
 
 
 def test_the_headline_rows_come_from_the_results_files():

@@ -259,18 +259,15 @@ REFUSED_TYPES = {"qwen3_5": _QWEN3_5, "qwen3_5_text": _QWEN3_5}
 def architecture_for(model: nn.Module) -> Architecture:
     """A new architecture for ``model``'s family, or an InputError saying why not and naming the supported ones."""
     model_type = getattr(model.config, "model_type", None)
-    supported = ", ".join(SUPPORTED_TYPES)
+    supported = f"supported types: {', '.join(SUPPORTED_TYPES)}"
     for cls in ARCHITECTURES:
         if model_type in cls.families:
             reason = cls.unsupported(model.config.get_text_config(decoder=True))
             if reason is None:
                 return cls(model)
-            raise InputError(f"this {model_type!r} model does not fit SkipKey: {reason} "
-                             f"(supported types: {supported})")
-    if model_type in REFUSED_TYPES:
-        raise InputError(f"model type {model_type!r} is not supported: {REFUSED_TYPES[model_type]} "
-                         f"(supported types: {supported})")
-    raise InputError(f"model type {model_type!r} is not supported; supported types: {supported}")
+            raise InputError(f"this {model_type!r} model does not fit SkipKey: {reason}; {supported}")
+    why = f": {REFUSED_TYPES[model_type]}" if model_type in REFUSED_TYPES else ""
+    raise InputError(f"model type {model_type!r} is not supported{why}; {supported}")
 
 
 _ATTRIBUTE = "_skipkey_architecture"  # where a model keeps the one architecture made for it

@@ -1,6 +1,7 @@
 """The models a server offers: the allow-list, where each is placed, and ``ModelCache``.
 
-* ``allowed_models``: the embedded model first, then ``$SKIPKEY_MODELS``.
+* ``allowed_models``: the embedded model first, then ``$SKIPKEY_MODELS`` (``SUGGESTED_MODELS``: a small Hub
+  model of each family SkipKey runs, the table in docs/deploy.md).
 * ``server_placement``: a model larger than the device, placed by accelerate from
   ``$SKIPKEY_DEVICE_MAP``, ``_MAX_MEMORY`` and ``_OFFLOAD_DIR``, checked once at start.
 * ``ModelCache`` loads each allowed model once (in the background, so the page
@@ -23,6 +24,29 @@ from skipkey.errors import InputError, ModelLoadError
 from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
 
 MODELS_ENV = "SKIPKEY_MODELS"
+# A small Hub model of each model type SkipKey runs (``skipkey.core.architectures.SUPPORTED_TYPES``), to put in
+# $SKIPKEY_MODELS; None where no published checkpoint is known to fit. "Tested" means the type's tiny
+# random-weight model (``skipkey.core.tiny``) passes every parity test: these checkpoints were never
+# downloaded where the tests ran. ``python -m experiments.families`` prints docs/deploy.md's table of them.
+SUGGESTED_MODELS = {
+    "llama": "HuggingFaceTB/SmolLM2-360M-Instruct",
+    "qwen2": "Qwen/Qwen2.5-0.5B-Instruct",
+    "qwen3": "Qwen/Qwen3-0.6B",
+    "mistral": "mistralai/Mistral-7B-Instruct-v0.3",
+    "phi3": "microsoft/Phi-4-mini-instruct",
+    "smollm3": "HuggingFaceTB/SmolLM3-3B",
+    "olmo2": "allenai/OLMo-2-0425-1B-Instruct",
+    "olmo3": "allenai/Olmo-3-7B-Instruct",
+    "gemma2": "google/gemma-2-2b-it",
+    "gemma3_text": "google/gemma-3-1b-it",
+    "gemma3": "google/gemma-3-4b-it",
+    "gemma4_text": None,
+    "gemma4": None,
+    "gemma4_unified_text": None,
+    "gemma4_unified": "google/gemma-4-12B-it",
+    "granite": "ibm-granite/granite-3.3-2b-instruct",
+    "opt": "facebook/opt-125m",
+}
 # A model larger than the server's device: placed by accelerate (see skipkey.core.offload.make_placement).
 DEVICE_MAP_ENV, MAX_MEMORY_ENV, OFFLOAD_DIR_ENV = "SKIPKEY_DEVICE_MAP", "SKIPKEY_MAX_MEMORY", "SKIPKEY_OFFLOAD_DIR"
 
