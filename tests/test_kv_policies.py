@@ -134,7 +134,7 @@ def test_combined_decode_equals_no_cache_reference(tiny_models, monkeypatch, fam
                     kv=make_kv_policy(name, budget=budget))
     prompt_ids = lm.tokenizer(LONG)["input_ids"]
     head_out = record_logits(monkeypatch, engine.arch)
-    trace = Trace.collect(engine, [prompt_ids], GenerationSettings(max_new_tokens=16), record=True)
+    trace = Trace.collect(engine, [prompt_ids], GenerationSettings(max_new_tokens=16, ignore_eos=True), record=True)
     monkeypatch.undo()
     tokens = trace.tokens()
     ids = torch.tensor([prompt_ids + tokens[:-1]], device=lm.device)

@@ -57,7 +57,7 @@ def test_cached_skipping_decode_equals_no_cache_reference(tiny_models, monkeypat
     layer_sets, tokens = [], []
     # Capture the engine's logits by recomputing them from the trace is circular; record the head's.
     head_out = record_logits(monkeypatch, engine.arch)
-    for event in engine.generate([prompt_ids], GenerationSettings(max_new_tokens=20)):
+    for event in engine.generate([prompt_ids], GenerationSettings(max_new_tokens=20, ignore_eos=True)):
         tokens.append(event.tokens[0])
         layer_sets.append(event.layers)
     monkeypatch.undo()
