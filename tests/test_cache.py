@@ -43,7 +43,7 @@ def _engine(tiny_models, family, name):
     return Engine(lm, kv=None if name == "full" else make_kv_policy(name, budget=0.5))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma2"])  # gemma2: attention with capped logits
 @pytest.mark.parametrize("name", ["full", "window", "streaming", "h2o", "keyformer"])
 def test_a_decode_step_allocates_nothing_the_size_of_a_layers_cache(tiny_models, family, name):
     engine = _engine(tiny_models, family, name)
