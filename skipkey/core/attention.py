@@ -153,7 +153,7 @@ def attend_fused(fused, layer, query, visible: tuple, scaling: float, state: Ste
 
 def skipkey_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                       scaling: float | None = None, step_state: StepState | None = None, **kwargs):
-    """transformers' attention interface (its signature is theirs); plain SDPA without an engine state."""
+    """transformers' attention interface (its signature is theirs); ``attention_output`` without an engine state."""
     kwargs.pop("sliding_window", None)  # the engine's cache knows each layer's window (``LayerInfo``)
     if step_state is None:
         return attention_output(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
