@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from skipkey.core.attention import ATTENTION_NAME, install_attention
+from skipkey.core.attention import ATTENTION_NAME, install_attention, soft_cap
 from skipkey.core.gemm import linear_rows
 from skipkey.errors import InputError
 from skipkey.core.offload import execution_device, offloaded_bytes
@@ -88,7 +88,8 @@ class Architecture:
         return self.cap_logits(linear_rows(self.model.lm_head, self.norm(hidden)).float())
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """What the family does to the LM head's output (Gemma's final soft cap); a draft head's rows too."""
+        """What the family does to the LM head's output (Gemma's final soft cap, Granite's scaling); a draft
+        head's rows too."""
         return logits
 
     # -- shared -------------------------------------------------------------
@@ -159,10 +160,7 @@ class Gemma2Architecture(Architecture):
     families = ("gemma2",)
 
     def cap_logits(self, logits):
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return soft_cap(logits, getattr(self.config, "final_logit_softcapping", None))
 
 
 class Gemma3Architecture(RopePerLayerType, Gemma2Architecture):
@@ -214,8 +212,8 @@ class GraniteArchitecture(Architecture):
     def embed(self, input_ids, positions):
         return self.decoder.embed_tokens(input_ids) * self.decoder.embedding_multiplier
 
-    def head(self, hidden):
-        return self.model.lm_head(self.norm(hidden)).float() / self.config.logits_scaling
+    def cap_logits(self, logits):
+        return logits / self.config.logits_scaling
 
 
 class OPTArchitecture(Architecture):

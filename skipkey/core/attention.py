@@ -38,7 +38,7 @@ class Scorer(Protocol):
     def score_prompt(self, layer, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
                      state: "StepState", softcap: float | None = None) -> None:
         """Add the prompt queries' contributions to ``layer.scores`` (after the output was computed);
-        ``softcap``: the model caps its attention logits there (``cap_logits``)."""
+        ``softcap``: the model caps its attention logits there (``soft_cap``)."""
 
     def attend_and_score(self, layer, layer_idx: int, query: torch.Tensor, visible: tuple, scaling: float,
                          state: "StepState", softcap: float | None = None) -> torch.Tensor:
@@ -98,8 +98,8 @@ def _expand_heads(mask: torch.Tensor | None, num_heads: int) -> torch.Tensor | N
     return mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
 
 
-def cap_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """``softcap * tanh(logits / softcap)``, as Gemma 2's eager attention caps its (scaled) logits."""
+def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)``: how Gemma 2 caps its attention logits (and Gemma its final ones)."""
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
@@ -113,7 +113,7 @@ def softcapped_attention(module, query, key, value, mask: torch.Tensor | None, d
     b, hq, q, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
     grouped = query.reshape(b, hkv, hq // hkv * q, d)
-    logits = cap_logits(torch.matmul(grouped, key.transpose(2, 3)).view(b, hq, q, s) * scaling, softcap)
+    logits = soft_cap(torch.matmul(grouped, key.transpose(2, 3)).view(b, hq, q, s) * scaling, softcap)
     if mask is None and q > 1:
         mask = torch.ones(q, s, dtype=torch.bool, device=query.device).tril_()
     if mask is not None:

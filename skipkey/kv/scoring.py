@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from skipkey.core import kernels
-from skipkey.core.attention import NO_NOISE, StepState, allowed_keys, attend_fused, cap_logits, mask_for_output
+from skipkey.core.attention import NO_NOISE, StepState, allowed_keys, attend_fused, mask_for_output, soft_cap
 from skipkey.kv.noise import NOISE_COLS, gumbel_noise, noise_table, query_starts
 
 SCORE_CHUNK = 256  # prompt queries scored at once; bounds prefill memory on long prompts
@@ -74,7 +74,7 @@ class ScoreContribution:
         """One decode query per row: the logits are computed once, for the output and for the score.
 
         ``visible`` is what ``LayerCache.write`` returned plus its positions: (keys, values, positions).
-        ``softcap``: the model caps its attention logits (``cap_logits``).
+        ``softcap``: the model caps its attention logits (``soft_cap``).
         """
         fused = kernels.for_tensors(visible[0], visible[1]) if softcap is None else None
         if fused is not None:
@@ -122,7 +122,7 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
     Logits are computed in the model's dtype (as eager attention does) in query
     chunks, so prefill memory stays bounded. ``state.observe`` > 0 scores only each
     row's last ``observe`` queries (SnapKV's observation window). ``softcap``: the model caps its
-    attention logits (``cap_logits``).
+    attention logits (``soft_cap``).
     """
     b, hq, q, d = query.shape
     hkv = key.shape[1]
@@ -185,7 +185,7 @@ class _PromptChunks:
                                     positions, layer.window or 0, *noise, NOISE_COLS, float(contribution.tau),
                                     total[:, :, lo:hi])
             return
-        logits = cap_logits(torch.matmul(qc, self.keys_t[..., lo:hi]).float(), self.softcap)
+        logits = soft_cap(torch.matmul(qc, self.keys_t[..., lo:hi]).float(), self.softcap)
         logits = logits.view(b, hkv, groups, n, hi - lo)
         if self.block_only:
             causal = torch.ones(n, n, dtype=torch.bool, device=qc.device).tril_()
@@ -219,7 +219,7 @@ def _attend_and_score(layer, layer_idx: int, query, visible: tuple, scaling: flo
         logits = torch.matmul(q, key.transpose(-1, -2))
     else:
         logits = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)
-    logits = cap_logits(logits.float(), softcap)  # [B, Hkv, G, S]
+    logits = soft_cap(logits.float(), softcap)  # [B, Hkv, G, S]
     mask = mask_for_output(layer, positions, state.query_positions)
     if mask is not None:
         logits.masked_fill_(~mask[:, :, 0, None, :], float("-inf"))
