@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from experiments.kv_long_input_table import table
+from test_cli import model_dir  # noqa: F401  (the CLI tests' tiny model directory)
 from skipkey.cli import main
 from skipkey.config import GenerationSettings
 from skipkey.core.engine import Engine
@@ -164,15 +165,6 @@ def test_a_file_without_summarization_or_rag_prompts_in_the_part_is_refused(tmp_
     assert [r.id for r in long_input_prompts(read_prompts(one_half), "validation")] == ["1"]
     with pytest.raises(InputError, match="no summarization or rag prompt in the test part"):
         long_input_prompts(read_prompts(one_half), "test")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-gemma3")
-    lm = tiny_model("gemma3")
-    lm.model.save_pretrained(path)
-    lm.tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def test_the_cli_records_the_files_sha256_the_ids_and_provenance_and_resumes(capsys, model_dir, tmp_path):
