@@ -14,10 +14,11 @@ from pathlib import Path
 from skipkey.errors import InputError, ModelLoadError
 from skipkey.kv.policies import KV_POLICIES
 from skipkey.cli_bench import add_bench_parser, placement_record
+from skipkey.quality.long_input import LONG_INPUT_CATEGORIES
 from skipkey.quality.retrieval import RETRIEVAL_FAMILIES
 from skipkey.options import (add_adapter_arg, add_exact_args, add_generation_args, add_method_args, add_model_args,
-                             add_placement_args, check_exact_early, check_methods_early, exact_from, methods_from,
-                             placement_from, settings_from)
+                             add_placement_args, add_prompt_file_args, check_exact_early, check_methods_early,
+                             exact_from, methods_from, placement_from, settings_from)
 from skipkey.skipdecode.adapter import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS
 from skipkey.skipdecode.plan import LAYER_POLICIES
 from skipkey.training.recipe import IMPORTANCE_FROM, KL_OVER, PROMPT_SETS
@@ -146,12 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV policies, each at every --budgets (the full model always runs); options after a "
                         "colon, e.g. keyformer:observe=32,pool=7")
     p.add_argument("--kv-parts", nargs="+", default=["retrieval", "agreement", "long-text"],
-                   choices=["retrieval", "agreement", "long-text"], help="which parts of the kv suite to run")
+                   choices=["retrieval", "agreement", "long-text", "long-input"],
+                   help="which parts of the kv suite to run; long-input (not run unless named): the --prompts-file's "
+                        f"{' and '.join(LONG_INPUT_CATEGORIES)} prompts, one at a time, ROUGE-L against the full "
+                        "model's output and the references, and the KV held")
+    add_prompt_file_args(p, "--prompts-file", "the long-input part's prompts: Spec-Bench / MT-bench JSONL "
+                                              "(question_id, category, turns, reference)",
+                         categories=" ".join(LONG_INPUT_CATEGORIES))
     p.add_argument("--no-combined", action="store_true",
                    help="leave out the kv suite's Keyformer 50%% + SkipDecode 2x config")
     p.add_argument("--resume", action="store_true",
-                   help="continue the retrieval results in --output: tasks done there are not run again, "
-                        "and configs added since run on them alone")
+                   help="continue the retrieval and long-input results in --output: tasks and prompts done there "
+                        "are not run again, and configs added since run on them alone")
     p.add_argument("--ppl-tokens", type=int, default=256,
                    help="long-text perplexity: tokens scored after a --ppl-prompt-tokens prompt")
     p.add_argument("--kv-prompt-tokens", type=int, default=384,
@@ -159,12 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ppl-prompt-tokens", type=int, default=1024,
                    help="long-text perplexity: the prompt (what the KV budget is a share of)")
     p.add_argument("--seed", type=int, default=0, help="seeds Keyformer's noise")
-    p.add_argument("--output", help="write results JSON here (rewritten after every retrieval task)")
+    p.add_argument("--output", help="write results JSON here (rewritten after every retrieval task and "
+                                    "long-input prompt)")
     p.add_argument("--figure", help="write the retrieval accuracy-vs-budget Plotly figure (HTML, or PNG beside "
                                     "an HTML copy) here")
     add_placement_args(p)
     add_adapter_arg(p, "the SkipDecode LoRA adapter the tuned suite evaluates")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=cmd_eval, dtype="float32")  # quality is measured in float32 unless --dtype says otherwise
 
     p = sub.add_parser("shapes", help="the schedule-shape study: which shape of b(t) reads best at each speedup")
     add_model_args(p)

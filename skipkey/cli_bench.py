@@ -16,9 +16,8 @@ from pathlib import Path
 from skipkey.config import GenerationSettings, decode_steps, require_int
 from skipkey.kv.policies import KV_POLICIES
 from skipkey.options import (add_adapter_arg, add_exact_args, add_method_args, add_model_args, add_placement_args,
-                             adapter_schedule_from, check_exact_early, check_methods_early, exact_specs,
-                             kv_policy_from, methods_from, placement_from)
-from skipkey.quality.prompt_file import PARTS
+                             add_prompt_file_args, adapter_schedule_from, check_exact_early, check_methods_early,
+                             exact_specs, kv_policy_from, methods_from, placement_from)
 from skipkey.skipdecode.plan import SkipDecodeSpec
 
 
@@ -27,14 +26,9 @@ def add_bench_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[128], help="synthetic prompts of these lengths")
-    p.add_argument("--prompts", metavar="FILE",
-                   help="prompts people wrote instead: Spec-Bench / MT-bench JSONL (question_id, category, turns) or "
-                        "plain text (a prompt per line); whole requests, per category, against generate")
-    p.add_argument("--part", choices=PARTS, default="all",
-                   help="with --prompts: the validation half (odd question ids), the test half (even) or all")
-    p.add_argument("--per-category", type=int, default=None, metavar="N",
-                   help="with --prompts: the first N prompts of each category (of the part)")
-    p.add_argument("--categories", nargs="+", default=None, help="with --prompts: only these categories")
+    add_prompt_file_args(p, "--prompts", "prompts people wrote instead: Spec-Bench / MT-bench JSONL (question_id, "
+                                         "category, turns) or plain text (a prompt per line); whole requests, per "
+                                         "category, against generate")
     p.add_argument("--peer-lookup", type=int, nargs="*", default=[3], metavar="N",
                    help="with --prompts --exact: also time generate(prompt_lookup_num_tokens=N) for each N")
     p.add_argument("--peer-early-exit", type=int, nargs="*", default=[9], metavar="LAYER",

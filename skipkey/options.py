@@ -12,6 +12,7 @@ import argparse
 from skipkey.config import MAX_NEW_TOKENS_CAP, GenerationSettings, decode_steps, require_float
 from skipkey.errors import InputError
 from skipkey.kv.policies import KV_POLICIES, KVSpec, parse_budget, parse_policy_spec, policy_options
+from skipkey.quality.prompt_file import PARTS
 from skipkey.quality.prompts import ORDINARY_PROMPTS
 from skipkey.skipdecode.draft_vocab import DEFAULT_DRAFT_VOCAB
 from skipkey.skipdecode.drafting import PACES
@@ -40,6 +41,18 @@ def add_placement_args(p: argparse.ArgumentParser):
     g.add_argument("--offload-dir", default=None, metavar="DIR",
                    help="where weights offloaded to the disk are written (a safetensors checkpoint is read "
                         "in place); must be writable")
+
+
+def add_prompt_file_args(p: argparse.ArgumentParser, flag: str, what: str, categories: str = ""):
+    """A prompts file (``flag FILE``) and which of its prompts to take: the part, the first N of each category,
+    the categories (``categories``: what the command takes without ``--categories``)."""
+    p.add_argument(flag, metavar="FILE", help=what)
+    p.add_argument("--part", choices=PARTS, default="all",
+                   help=f"with {flag}: the validation half (odd question ids), the test half (even) or all")
+    p.add_argument("--per-category", type=int, default=None, metavar="N",
+                   help=f"with {flag}: the first N prompts of each category (of the part)")
+    p.add_argument("--categories", nargs="+", default=None,
+                   help=f"with {flag}: only these categories{f' (default: {categories})' if categories else ''}")
 
 
 def placement_from(args) -> dict:

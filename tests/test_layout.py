@@ -23,7 +23,7 @@ LAYERS = (
     "kv.scoring", "kv.budgets", "kv.policies", "skipdecode.schedules", "skipdecode.rankings", "skipdecode.plan",
     "skipdecode.draft_vocab", "skipdecode.drafting", "skipdecode.exact",
     "quality.metrics", "quality.figures", "quality.teacher_forced", "quality.served", "skipdecode.adapter", "models",
-    "quality.bench", "quality.prompt_bench",
+    "quality.bench", "quality.prompt_bench", "quality.long_input",
     "quality.report", "quality.evaluate", "training.shapes", "training.recipe", "training.batches", "training.data", "training.lora",
     "training.finetune", "serving.models", "serving.request", "serving.links", "serving.gpu_time", "serving.presets",
     "serving.comparison", "serving.record", "options", "cli_bench", "cli", "__main__",

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from skipkey.core.engine import StepEvent
-from skipkey.quality.metrics import compute, speed, step_cost, transfer
+from skipkey.quality.metrics import compute, rouge_l, speed, step_cost, transfer
 from skipkey.core.trace import Trace
 
 
@@ -50,3 +50,10 @@ def test_transfer_ratio_counts_the_weight_bytes_each_step_moves():
 
 def test_no_transfer_ratio_without_offloaded_weights():
     assert transfer(trace_of([8, 4], [0.1, 0.01])) is None
+
+
+def test_rouge_l_of_a_text_against_itself_is_one_even_without_a_word_it_counts():
+    assert rouge_l("The ferry stops for two months.", "The ferry stops for two months.") == 1.0
+    assert rouge_l("...", "...") == rouge_l("", "  ") == rouge_l("你好", "你好") == 1.0  # rouge-score alone: 0
+    assert rouge_l("...", "The ferry") == rouge_l("The ferry", "") == 0.0
+    assert 0.0 < rouge_l("The ferry stops for two months.", "The ferry stops.") < 1.0

@@ -22,6 +22,19 @@ def test_a_spec_bench_file_reads_ids_categories_first_turns_and_references():
     assert len(prompts.sha256) == 64 and prompts.describe()["sha256"] == prompts.sha256
 
 
+
+def test_a_references_answer_spans_are_joined_and_an_empty_reference_is_none(tmp_path):
+    """Spec-Bench's rag rows hold Natural Questions' answer spans, a list inside the list of turns."""
+    path = tmp_path / "refs.jsonl"
+    rows = [{"question_id": 1, "turns": ["Who?"], "reference": [["James Ray", " George Harrison "]]},
+            {"question_id": 2, "turns": ["When?"], "reference": [[], "", "1989"]},
+            {"question_id": 3, "turns": ["Why?"], "reference": ["  "]},
+            {"question_id": 4, "turns": ["How?"], "reference": ""},
+            {"question_id": 5, "turns": ["What?"], "reference": [[1, 2]]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [r.reference for r in read_prompts(path).records] == ["James Ray; George Harrison", "1989", None, None,
+                                                                  None]
+
 def test_the_halves_split_every_category_by_question_id_and_never_overlap():
     prompts = read_prompts(QUESTIONS)
     validation, test = prompts.select("validation"), prompts.select("test")

@@ -29,7 +29,9 @@ from skipkey.core.engine import Engine
 from skipkey.errors import InputError
 from skipkey.kv.policies import format_policy_spec, make_kv_policy, parse_policy_spec
 from skipkey.skipdecode.adapter import adapter_schedule, load_tuned, read_metadata
+from skipkey.quality.long_input import long_input_prompts, long_input_rows, long_input_table, run_long_input
 from skipkey.quality.metrics import agreement, rouge_l
+from skipkey.quality.prompt_file import check_lengths, read_prompts
 from skipkey.models import load
 from skipkey.quality.prompts import ORDINARY_PROMPTS, document_prompts, long_text_ids
 from skipkey.quality.retrieval import (RETRIEVAL_FAMILIES, RETRIEVAL_NEW_TOKENS, retrieval_families, retrieval_tasks,
@@ -250,29 +252,87 @@ def _check_before_loading(args) -> None:
         retrieval_families(args.retrieval_families)
 
 
-def _earlier_retrieval(args, settings: dict, log) -> tuple[list[dict], list[str]]:
-    """(task records, commands) of the run ``--resume`` continues; refused if its settings differ."""
+def _earlier(args, part: str, settings: dict, compared: tuple[str, ...], log,
+             hint=None) -> tuple[list[dict], list[str]]:
+    """(records, commands) of the ``part`` (``kv_retrieval``: its tasks, ``kv_long_input``: its prompts) of the
+    run ``--resume`` continues; refused if its settings named in ``compared`` differ (``hint(differ, theirs)``:
+    what to add to the refusal)."""
     path = Path(args.output)
     if not args.resume or not path.exists():
         if args.resume:
             log(f"nothing to resume in {path}: starting afresh")
         return [], []
     earlier = json.loads(path.read_text())
-    theirs = earlier.get("kv_retrieval_settings") or {}
-    # Other families make other tasks at the same indices (they take turns): never mixed in one file.
-    differ = [k for k in ("model", "dtype", "seed", "retrieval_seed", "families") if theirs.get(k) != settings[k]]
+    theirs = earlier.get(f"{part}_settings") or {}
+    differ = [k for k in compared if theirs.get(k) != settings[k]]
     if differ:
-        hint = (f" (or --retrieval-families {' '.join(theirs['families'])} to continue it)"
-                if differ == ["families"] and theirs.get("families") else "")
         raise InputError(f"{path} holds results with another {', '.join(differ)} "
-                         f"({', '.join(f'{k}={theirs.get(k)}' for k in differ)}); use another --output{hint}")
-    records = earlier.get("kv_retrieval_tasks", [])
-    log(f"resuming {path}: {len(records)} tasks done earlier")
+                         f"({', '.join(f'{k}={theirs.get(k)}' for k in differ)}); use another --output"
+                         f"{hint(differ, theirs) if hint else ''}")
+    records = earlier.get(RECORDS[part], [])
+    log(f"resuming {path}: {len(records)} {RECORDS[part].rsplit('_', 1)[1]} done earlier")
     return records, [*earlier.get("resumed", []), earlier["command"]]
 
 
-def _kv_suite(args, loaded, result: dict, log) -> None:
-    """``--suite kv``: retrieval (resumable, saved after every task), agreement and long-text perplexity."""
+RECORDS = {"kv_retrieval": "kv_retrieval_tasks", "kv_long_input": "kv_long_input_prompts"}  # each part's records
+
+
+def _earlier_retrieval(args, settings: dict, log) -> tuple[list[dict], list[str]]:
+    """(task records, commands) of the retrieval run ``--resume`` continues; refused if its settings differ."""
+    def hint(differ, theirs):
+        return (f" (or --retrieval-families {' '.join(theirs['families'])} to continue it)"
+                if differ == ["families"] and theirs.get("families") else "")
+
+    # Other families make other tasks at the same indices (they take turns): never mixed in one file.
+    return _earlier(args, "kv_retrieval", settings, ("model", "dtype", "seed", "retrieval_seed", "families"), log,
+                    hint)
+
+
+def _long_input_asked(args):
+    """(the prompts file, the prompts) the long-input part runs, or None when it is not asked for: every fault of
+    the file refused before any model is loaded."""
+    if not ("kv" in args.suite and "long-input" in args.kv_parts):
+        if args.prompts_file:
+            raise InputError("--prompts-file is read by the kv suite's long-input part: add --suite kv "
+                             "--kv-parts long-input")
+        return None
+    if not args.prompts_file:
+        raise InputError("the kv suite's long-input part runs the prompts of a file: give --prompts-file FILE "
+                         "(Spec-Bench's question.jsonl, or a file in its form)")
+    prompt_file = read_prompts(args.prompts_file)
+    return prompt_file, long_input_prompts(prompt_file, args.part, args.per_category, args.categories)
+
+
+def _long_input(args, loaded, configs, chosen, result: dict, log) -> None:
+    """``--kv-parts long-input``: every config on the file's prompts, one at a time (resumable, saved after every
+    prompt)."""
+    prompt_file, used = chosen
+    ids = check_lengths(prompt_file, used, loaded.tokenizer, loaded.context_length, args.max_new_tokens)
+    settings = dict(model=loaded.name, dtype=str(loaded.dtype), seed=args.seed, max_new_tokens=args.max_new_tokens,
+                    prompts_sha256=prompt_file.sha256, part=args.part, categories=sorted({r.category for r in used}),
+                    batch=1, greedy=True, stops_at_eos=True, shared_prompt_pass=True)
+    earlier, commands = _earlier(args, "kv_long_input", settings,
+                                 ("model", "dtype", "seed", "max_new_tokens", "prompts_sha256"), log)
+    result.update(kv_long_input_settings=settings, prompts_file=prompt_file.describe(used), complete=False,
+                  **({"resumed": commands} if commands else {}))
+    log(f"## long input: {len(used)} prompts of {prompt_file.path} ({args.part}) x {len(configs)} configs, "
+        f"{args.max_new_tokens} new tokens")
+
+    def save(records):
+        result["kv_long_input"] = long_input_rows(records, configs)
+        result["kv_long_input_prompts"] = records
+        write_json(args.output, result)
+
+    records = run_long_input(loaded, configs, used, ids, GenerationSettings(max_new_tokens=args.max_new_tokens),
+                             log, done=earlier, save=save if args.output else None)
+    result["kv_long_input"] = long_input_rows(records, configs)
+    result["kv_long_input_prompts"] = records
+    print(long_input_table(result["kv_long_input"]))
+
+
+def _kv_suite(args, loaded, result: dict, log, long_input=None) -> None:
+    """``--suite kv``: retrieval (resumable, saved after every task), long inputs (``long_input``: the prompts
+    file and its prompts; resumable, saved after every prompt), agreement and long-text perplexity."""
     log("# KV policies")
     if args.retrieval_lengths and "retrieval" in args.kv_parts:
         configs = kv_configs(loaded.num_layers, args.kv_policies, args.budgets, args.seed,
@@ -297,6 +357,8 @@ def _kv_suite(args, loaded, result: dict, log) -> None:
         print(retrieval_table(result["kv_retrieval"]))
     configs = kv_configs(loaded.num_layers, args.kv_policies, args.budgets, args.seed, args.max_new_tokens,
                          not args.no_combined)
+    if long_input is not None:
+        _long_input(args, loaded, configs, long_input, result, log)
     if "agreement" in args.kv_parts:
         documents = document_prompts(loaded.tokenizer, args.prompts, args.kv_prompt_tokens)
         result["kv_prompt_tokens"] = args.kv_prompt_tokens
@@ -313,6 +375,7 @@ def main(args) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     _check_before_loading(args)
+    long_input = _long_input_asked(args)
     loaded = load(args.model, args.device, args.dtype, device_map=args.device_map, max_memory=args.max_memory,
                   offload_dir=args.offload_dir)
     prompts = ORDINARY_PROMPTS[: args.prompts]
@@ -334,7 +397,7 @@ def main(args) -> int:
         result["tuned"] = quality(loaded, configs, prompts, args.max_new_tokens, log)
         print(markdown_table(result["tuned"], ["label", *QUALITY_COLUMNS]))
     if "kv" in args.suite:
-        _kv_suite(args, loaded, result, log)
+        _kv_suite(args, loaded, result, log, long_input)
     result["complete"] = True
     if args.output:
         write_json(args.output, result)

@@ -192,10 +192,12 @@ def agreement(reference: list[int], candidate: list[int]) -> Agreement:
 
 
 def rouge_l(reference: str, candidate: str) -> float:
-    """ROUGE-L F-measure (``rouge-score``, the reference implementation)."""
-    from rouge_score import rouge_scorer
+    """ROUGE-L F-measure (``rouge-score``, the reference implementation). Two texts with no word ROUGE counts
+    (it keeps ASCII letters and digits: an empty text, punctuation) are the same empty sequence: 1, where
+    rouge-score says 0, so a text always scores 1 against itself."""
+    from rouge_score import rouge_scorer, tokenize
 
-    if not reference.strip() and not candidate.strip():
+    if not tokenize.tokenize(reference, None) and not tokenize.tokenize(candidate, None):
         return 1.0
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
     return float(scorer.score(reference, candidate)["rougeL"].fmeasure)

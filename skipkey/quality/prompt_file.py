@@ -143,13 +143,24 @@ def _read_jsonl(path: Path, text: str) -> list[PromptRecord]:
         if prompt is None:
             raise InputError(f"{path}:{number}: no prompt (a non-empty 'turns' list of strings, or a 'prompt' "
                              "string)")
-        reference = row.get("reference")
-        if isinstance(reference, list):
-            reference = next((r for r in reference if isinstance(r, str) and r.strip()), None)
         records.append(PromptRecord(id=str(row.get("question_id", number)),
                                     category=str(row.get("category", PLAIN_CATEGORY)), text=prompt,
-                                    reference=reference if isinstance(reference, str) else None, line=number))
+                                    reference=_reference_text(row.get("reference")), line=number))
     return records
+
+
+def _reference_text(value) -> str | None:
+    """A row's reference as text, or None. A list holds one per turn (MT-bench): the first non-empty one. A list of
+    strings in that place is one turn's acceptable answers (Spec-Bench's rag: Natural Questions' answer spans),
+    joined with "; " so that ROUGE sees every span."""
+    if isinstance(value, list):
+        for turn in value:
+            if isinstance(turn, list):
+                turn = "; ".join(s.strip() for s in turn if isinstance(s, str) and s.strip())
+            if isinstance(turn, str) and turn.strip():
+                return turn
+        return None
+    return value if isinstance(value, str) and value.strip() else None
 
 
 def _first_turn(row: dict) -> str | None:

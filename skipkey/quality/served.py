@@ -74,9 +74,10 @@ def perplexity(scores: Sequence[PromptScore]) -> float:
     return math.exp(sum(s.nll for s in scores) / sum(s.count for s in scores))
 
 
-def bootstrap_interval(scores: Sequence[PromptScore], statistic: Callable[[Sequence[PromptScore]], float],
+def bootstrap_interval(scores: Sequence, statistic: Callable[[Sequence], float],
                        resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> tuple[float, float]:
-    """The 2.5th and 97.5th percentiles of ``statistic`` over prompts resampled with replacement."""
+    """The 2.5th and 97.5th percentiles of ``statistic`` over prompts resampled with replacement (``scores``:
+    one item per prompt, a ``PromptScore`` or a number)."""
     rng = random.Random(seed)
     values = sorted(statistic(rng.choices(scores, k=len(scores))) for _ in range(resamples))
     return values[int(0.025 * (resamples - 1))], values[int(round(0.975 * (resamples - 1)))]
