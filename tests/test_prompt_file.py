@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from skipkey.errors import InputError
-from skipkey.quality.prompt_file import check_lengths, half_of, read_prompts
+from skipkey.quality.prompt_file import SPEC_BENCH_BESIDE_REPO, check_lengths, half_of, read_prompts
 
 QUESTIONS = Path(__file__).parent / "data" / "questions.jsonl"  # made here, in Spec-Bench's form
 
@@ -35,7 +35,7 @@ def test_the_halves_split_every_category_by_question_id_and_never_overlap():
 
 
 def test_spec_bench_itself_splits_in_half_per_category():
-    spec_bench = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+    spec_bench = SPEC_BENCH_BESIDE_REPO
     if not spec_bench.exists():
         pytest.skip("Spec-Bench is not beside this checkout")
     prompts = read_prompts(spec_bench)

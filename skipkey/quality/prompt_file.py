@@ -26,19 +26,25 @@ from skipkey.config import validate_prompt_ids
 from skipkey.errors import InputError
 
 PARTS = ("validation", "test", "all")
+# Where Spec-Bench's questions are kept on the machines this project runs on: beside the repository
+# (``../shared/data/spec_bench/question.jsonl`` from its root), never inside it.
+SPEC_BENCH_BESIDE_REPO = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
 PLAIN_CATEGORY = "text"  # a plain-text file's prompts have no category
 MAX_FILE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One prompt of a file: its id and category, the text, the reference answer if any, and its line."""
+    """One prompt of a file: its id and category, the text, the reference answer if any, and its line; where a
+    line says so (a training prompts file's lines do), where the text came from and under which licence."""
 
     id: str
     category: str
     text: str
     reference: str | None
     line: int
+    source: str | None = None
+    license: str | None = None
 
     @property
     def part(self) -> str:
@@ -148,7 +154,8 @@ def _read_jsonl(path: Path, text: str) -> list[PromptRecord]:
             reference = next((r for r in reference if isinstance(r, str) and r.strip()), None)
         records.append(PromptRecord(id=str(row.get("question_id", number)),
                                     category=str(row.get("category", PLAIN_CATEGORY)), text=prompt,
-                                    reference=reference if isinstance(reference, str) else None, line=number))
+                                    reference=reference if isinstance(reference, str) else None, line=number,
+                                    source=_text_field(row, "source"), license=_text_field(row, "license")))
     return records
 
 
@@ -158,6 +165,11 @@ def _first_turn(row: dict) -> str | None:
         return turns[0]
     prompt = row.get("prompt")
     return prompt if isinstance(prompt, str) and prompt.strip() else None
+
+
+def _text_field(row: dict, key: str) -> str | None:
+    value = row.get(key)
+    return value if isinstance(value, str) and value.strip() else None
 
 
 def _read_plain(text: str) -> list[PromptRecord]:
@@ -181,4 +193,4 @@ def check_lengths(prompts: PromptFile, used: tuple[PromptRecord, ...], tokenizer
     return out
 
 
-__all__ = ["PARTS", "PromptFile", "PromptRecord", "check_lengths", "half_of", "read_prompts"]
+__all__ = ["PARTS", "SPEC_BENCH_BESIDE_REPO", "PromptFile", "PromptRecord", "check_lengths", "half_of", "read_prompts"]
