@@ -44,6 +44,15 @@ def test_spec_bench_itself_splits_in_half_per_category():
         assert sum(r.part == "test" for r in both) * 2 == len(both)
 
 
+def test_lines_end_at_newlines_only(tmp_path):
+    """A JSON string may hold U+2028 (GSM8K's questions do), which ``str.splitlines`` would split at."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"question_id": 1, "turns": ["Balls.\u2028How many?"]}\r\n{"question_id": 2, "turns": ["b"]}\n',
+                    encoding="utf-8")
+    prompts = read_prompts(path)
+    assert [r.text for r in prompts.records] == ["Balls.\u2028How many?", "b"] and prompts.records[1].line == 2
+
+
 def test_a_plain_text_file_is_a_prompt_per_line(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("The history of Rome\n\nDear team,\\nThe meeting moved to\n")

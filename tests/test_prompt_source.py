@@ -69,6 +69,7 @@ def test_a_clean_file_passes_and_the_check_says_against_what():
      'shares the 12 words "small library in the valley now lends tools as well as books" with question 6'),
     ("what is 17 TIMES 23", 'holds all of question 4'),  # a short question, equal once normalised
     ("Quick quiz before lunch. What is 17 times 23? Answer fast.", 'holds all of question 4'),  # or whole inside
+    ("Residents can borrow a drill, a ladder!", 'is all inside question 6'),  # a short piece of a test prompt
 ])
 def test_a_file_meeting_the_test_half_is_refused_naming_file_line_and_question(tmp_path, no_model, text, found):
     path = planted(tmp_path, text)

@@ -134,9 +134,15 @@ def read_prompts(path: str | Path) -> PromptFile:
     return PromptFile(str(path), hashlib.sha256(raw).hexdigest(), tuple(records))
 
 
+def _lines(text: str) -> list[str]:
+    """The file's lines: split at newlines only (a JSON string may hold U+2028, which ``str.splitlines`` also
+    splits at), a Windows line end's carriage return dropped."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
 def _read_jsonl(path: Path, text: str) -> list[PromptRecord]:
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(_lines(text), start=1):
         if not line.strip():
             continue
         try:
@@ -175,7 +181,7 @@ def _text_field(row: dict, key: str) -> str | None:
 def _read_plain(text: str) -> list[PromptRecord]:
     return [PromptRecord(id=str(number), category=PLAIN_CATEGORY, text=line.replace("\\n", "\n"), reference=None,
                          line=number)
-            for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+            for number, line in enumerate(_lines(text), start=1) if line.strip()]
 
 
 def check_lengths(prompts: PromptFile, used: tuple[PromptRecord, ...], tokenizer, context_length: int,

@@ -5,8 +5,8 @@ passes before a run starts.
 A file is identified by its SHA-256: the training data's cache key, the checkpoint a run resumes and the adapter's
 metadata all carry it (the metadata also its path, the categories, and the ``source`` and ``license`` its lines
 name). **No prompt of it may meet Spec-Bench's test half** (the even question ids, ``PromptFile.select("test")``):
-no 12-word window of a test prompt, nor the whole of a shorter one (``skipkey.quality.overlap``); the refusal names
-the file, the line and the question. The check reads Spec-Bench from ``--spec-bench`` or, by default, from beside
+share no 12-word window with a test prompt, hold no shorter test prompt whole, and be no piece (6 to 11 words) of
+one (``skipkey.quality.overlap``); the refusal names the file, the line and the question. The check reads Spec-Bench from ``--spec-bench`` or, by default, from beside
 the repository (``SPEC_BENCH_BESIDE_REPO``). Where it finds no Spec-Bench it cannot vouch for the file, so the run
 is refused; ``--no-overlap-check`` trains on the file unchecked, and the adapter's metadata says so. Only the first
 turn of a Spec-Bench question is checked (the prompt ``bench`` serves; MT-bench's second turns are short follow-ups
@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from skipkey.errors import InputError
-from skipkey.quality.overlap import WINDOW, HeldOut
+from skipkey.quality.overlap import MIN_PIECE, WINDOW, HeldOut
 from skipkey.quality.prompt_file import SPEC_BENCH_BESIDE_REPO, PromptFile, PromptRecord, read_prompts
 from skipkey.quality.prompts import training_prompts
 from skipkey.quality.splits import train_category_prompts
@@ -34,8 +34,9 @@ PROMPT_SET_TEXT = {
 }
 FILE_SELECTION = "seeded (--seed): each category's prompts shuffled, then the categories taken in turn"
 FILE_SELECTION_VERSION = 1  # bump when file_prompts changes, so cached training data is rebuilt
-OVERLAP_RULE = (f"no {WINDOW}-word window of a test prompt, nor the whole of a shorter one, in any prompt of the "
-                f"file (words: lowercase letters and digits; skipkey.quality.overlap)")
+OVERLAP_RULE = (f"no prompt of the file shares a {WINDOW}-word window with a test prompt, holds a shorter one whole, "
+                f"or is a piece of one ({MIN_PIECE} to {WINDOW - 1} words); words: lowercase letters and digits "
+                "(skipkey.quality.overlap)")
 
 
 def prompt_file(cfg: FinetuneConfig) -> PromptFile:
