@@ -373,7 +373,7 @@ def parse(argv=None):
     p.add_argument("--out", required=True, type=Path, help="the prompts file to write (outside the repository)")
     p.add_argument("--seed", type=int, default=0, help="shuffles each source before its prompts are taken")
     for category, count in COUNTS.items():
-        p.add_argument("--" + category.replace("_", "-"), dest=category, type=int, default=count,
+        p.add_argument("--" + re.sub(r"[\W_]+", "-", category), dest=category, type=int, default=count,
                        help=f"{category} prompts (default {count})")
     p.add_argument("--spec-bench", default=str(SPEC_BENCH_BESIDE_REPO), help="Spec-Bench's question.jsonl")
     p.add_argument("--mirrors", type=Path, default=Path("/work/.mirror"),

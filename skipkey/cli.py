@@ -224,9 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-bench", default=None, metavar="FILE",
                    help="with --prompts FILE: the Spec-Bench questions whose test half (even ids) no training prompt "
                         "may meet: no shared 12-word window, no shorter question whole, no piece of 6-11 words of "
-                        "one (default: "
-                        "../shared/data/spec_bench/question.jsonl beside the repository; where there is none, the "
-                        "run is refused unless --no-overlap-check)")
+                        "one (default: ../shared/data/spec_bench/question.jsonl beside the repository; where there is "
+                        "none, the run is refused unless --no-overlap-check)")
     p.add_argument("--no-overlap-check", dest="overlap_check", action="store_false",
                    help="with --prompts FILE: train without checking it against Spec-Bench's test half (the "
                         "adapter's metadata says it was not checked)")

@@ -182,7 +182,7 @@ class _Run:
     train_dtype: torch.dtype
     shapes: dict
     init: dict | None
-    prompt_check: dict | None = None  # what check_prompt_file found of a prompts file
+    prompts: str | dict = ""  # describe_prompts: the generated set, or the prompts file and its overlap check
     teacher: object = None  # full_vocab_teacher's callable, for --kl-over full-vocab
     history: list = field(default_factory=list)
     seconds: float = 0.0
@@ -196,7 +196,8 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
     restored afterwards.
     """
     ckpt = _checkpoint_file(cfg, work_dir, resume, restart)
-    prompt_check = check_prompt_file(cfg, log)  # a prompts file that meets Spec-Bench's test half is refused here
+    # What the metadata says of the prompts, taken now: a prompts file meeting Spec-Bench's test half is refused here.
+    prompts = describe_prompts(cfg, check_prompt_file(cfg, log))
     if loaded is None:
         loaded = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     num_layers = loaded.num_layers
@@ -223,7 +224,7 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
         params = trainable(peft_model)
         optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
         teacher = full_vocab_teacher(loaded, student, peft_model) if cfg.kl_over == "full-vocab" else None
-        run = _Run(cfg, loaded, base_fingerprint, targets, data, train_dtype, shapes, init, prompt_check, teacher)
+        run = _Run(cfg, loaded, base_fingerprint, targets, data, train_dtype, shapes, init, prompts, teacher)
         start = 0
         if resume:
             state = load_checkpoint(ckpt, peft_model, optimizer, cfg)
@@ -310,7 +311,7 @@ def describe_run(run: _Run) -> dict:
         "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": 0.0, "target_modules": run.targets,
                  "applies_at": cfg.applies_at, "min_skipped": cfg.min_skipped, "saved_dtype": cfg.save_dtype},
         "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed,
-                 "continuations": {"count": cfg.sequences, "prompts": describe_prompts(cfg, run.prompt_check),
+                 "continuations": {"count": cfg.sequences, "prompts": run.prompts,
                                    "text": f"the full model's greedy {cfg.gen_len} tokens (the engine, EOS ignored)"},
                  "text_windows": {"count": cfg.text_sequences, "prompt_tokens": cfg.text_prompt_len,
                                   "text": "skipkey.quality.prompts.training_text: Python's help topics and standard-library "

@@ -6,11 +6,12 @@ A file is identified by its SHA-256: the training data's cache key, the checkpoi
 metadata all carry it (the metadata also its path, the categories, and the ``source`` and ``license`` its lines
 name). **No prompt of it may meet Spec-Bench's test half** (the even question ids, ``PromptFile.select("test")``):
 share no 12-word window with a test prompt, hold no shorter test prompt whole, and be no piece (6 to 11 words) of
-one (``skipkey.quality.overlap``); the refusal names the file, the line and the question. The check reads Spec-Bench from ``--spec-bench`` or, by default, from beside
-the repository (``SPEC_BENCH_BESIDE_REPO``). Where it finds no Spec-Bench it cannot vouch for the file, so the run
-is refused; ``--no-overlap-check`` trains on the file unchecked, and the adapter's metadata says so. Only the first
-turn of a Spec-Bench question is checked (the prompt ``bench`` serves; MT-bench's second turns are short follow-ups
-such as "Now make it rhyme." that ordinary text holds by chance).
+one (``skipkey.quality.overlap``); the refusal names the file, the line and the question. The check reads
+Spec-Bench from ``--spec-bench`` or, by default, from beside the repository (``SPEC_BENCH_BESIDE_REPO``). Where it
+finds no Spec-Bench it cannot vouch for the file, so the run is refused; ``--no-overlap-check`` trains on the file
+unchecked, and the adapter's metadata says so. Only the first turn of a Spec-Bench question is checked (the prompt
+``bench`` serves; MT-bench's second turns are short follow-ups such as "Now make it rhyme." that ordinary text
+holds by chance).
 """
 
 from __future__ import annotations
