@@ -221,9 +221,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=int, default=64, help="continuation tokens per training sequence")
     p.add_argument("--sequences", type=int, default=320,
                    help="training sequences: the full model's continuations of training prompts")
-    p.add_argument("--prompts", choices=PROMPT_SETS, default="generic",
-                   help="the training prompts: generic (topic templates, code openers, help text) or categories "
-                        "(the test set's 13 categories, from other templates and words)")
+    p.add_argument("--prompts", default="generic", metavar="{" + ",".join(PROMPT_SETS) + ",FILE}",
+                   help="the training prompts: generic (topic templates, code openers, help text), categories "
+                        "(the test set's 13 categories, from other templates and words), or a prompts file people "
+                        "wrote (Spec-Bench JSONL or plain text, e.g. from python -m experiments.real_prompts), "
+                        "refused before any work if a prompt of it meets Spec-Bench's test half")
+    p.add_argument("--prompts-sha256", default=None, metavar="HEX",
+                   help="with --prompts FILE: refuse the file unless this is its SHA-256 (the adapter's recorded "
+                        "command gives it, so rerunning that command refuses a changed file)")
+    p.add_argument("--spec-bench", default=None, metavar="FILE",
+                   help="with --prompts FILE: the Spec-Bench questions whose test half (even ids) no training prompt "
+                        "may meet: no shared 12-word window, no shorter question whole, no piece of 6-11 words of "
+                        "one (default: ../shared/data/spec_bench/question.jsonl beside the repository; where there is "
+                        "none, the run is refused unless --no-overlap-check)")
+    p.add_argument("--no-overlap-check", dest="overlap_check", action="store_false",
+                   help="with --prompts FILE: train without checking it against Spec-Bench's test half (the "
+                        "adapter's metadata says it was not checked)")
     p.add_argument("--text-sequences", type=int, default=0,
                    help="training sequences: windows of offline text (Python's help topics and standard library)")
     p.add_argument("--text-prompt-len", type=int, default=32, help="tokens of a text window before its continuation")

@@ -17,14 +17,15 @@ PACKAGE = ROOT / "skipkey"
 # Bottom to top, in the order data flows (docs/architecture.md's module table follows it).
 # A module may import only the modules listed before it.
 LAYERS = (
-    "errors", "__init__", "config", "provenance", "quality.prompt_file", "quality.prompts", "quality.retrieval", "quality.splits", "core.offload", "core.embedded",
+    "errors", "__init__", "config", "provenance", "quality.prompt_file", "quality.overlap", "quality.prompts", "quality.retrieval", "quality.splits", "core.offload", "core.embedded",
     "core.loading", "core.random_models", "core.tiny", "core.kernels", "core.attention", "core.cache",
     "core.gemm", "core.architectures", "core.importance", "core.retention", "core.engine", "core.trace", "kv.noise",
     "kv.scoring", "kv.budgets", "kv.policies", "skipdecode.schedules", "skipdecode.rankings", "skipdecode.plan",
     "skipdecode.draft_vocab", "skipdecode.drafting", "skipdecode.exact",
     "quality.metrics", "quality.figures", "quality.teacher_forced", "quality.served", "skipdecode.adapter", "models",
     "quality.bench", "quality.prompt_bench", "quality.long_input",
-    "quality.report", "quality.evaluate", "training.shapes", "training.recipe", "training.batches", "training.data", "training.lora",
+    "quality.report", "quality.evaluate", "training.shapes", "training.recipe", "training.prompt_source",
+    "training.batches", "training.data", "training.lora",
     "training.finetune", "serving.models", "serving.request", "serving.links", "serving.gpu_time", "serving.presets",
     "serving.comparison", "serving.record", "options", "cli_bench", "cli", "__main__",
 )

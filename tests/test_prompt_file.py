@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from skipkey.errors import InputError
-from skipkey.quality.prompt_file import check_lengths, half_of, read_prompts
+from skipkey.quality.prompt_file import SPEC_BENCH_BESIDE_REPO, check_lengths, half_of, read_prompts
 
 QUESTIONS = Path(__file__).parent / "data" / "questions.jsonl"  # made here, in Spec-Bench's form
 
@@ -48,13 +48,22 @@ def test_the_halves_split_every_category_by_question_id_and_never_overlap():
 
 
 def test_spec_bench_itself_splits_in_half_per_category():
-    spec_bench = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+    spec_bench = SPEC_BENCH_BESIDE_REPO
     if not spec_bench.exists():
         pytest.skip("Spec-Bench is not beside this checkout")
     prompts = read_prompts(spec_bench)
     for category in prompts.categories():
         both = [r for r in prompts.records if r.category == category]
         assert sum(r.part == "test" for r in both) * 2 == len(both)
+
+
+def test_lines_end_at_newlines_only(tmp_path):
+    """A JSON string may hold U+2028 (GSM8K's questions do), which ``str.splitlines`` would split at."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"question_id": 1, "turns": ["Balls.\u2028How many?"]}\r\n{"question_id": 2, "turns": ["b"]}\n',
+                    encoding="utf-8")
+    prompts = read_prompts(path)
+    assert [r.text for r in prompts.records] == ["Balls.\u2028How many?", "b"] and prompts.records[1].line == 2
 
 
 def test_a_plain_text_file_is_a_prompt_per_line(tmp_path):

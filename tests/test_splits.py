@@ -1,28 +1,16 @@
 """The test prompts never meet train or validation: not whole, not as a 12-word window."""
 
-import re
 from collections import Counter
 
 import pytest
 
+from skipkey.quality.overlap import joined, windows
 from skipkey.quality.prompts import ORDINARY_PROMPTS, _doc_passages, _stdlib_sources, training_prompts
 from skipkey.quality.splits import categories, test_prompts, train_category_prompts
 
-WINDOW = 12
 TRAINING_SEEDS = range(8)  # the adapter's rounds used seeds 0..5; a margin for the next ones
 TRAINING_COUNT = 1000  # more prompts than any round has drawn (at most 960, seed 4)
 CATEGORY_COUNT = 1950  # the training categories' prompts: every one of at most 150 per category, in turn
-
-
-def words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
-
-
-def windows(text: str) -> set[str]:
-    """Every run of 12 words (the whole text where it is shorter), as ' w1 w2 ... '."""
-    w = words(text)
-    size = min(WINDOW, len(w))
-    return {" " + " ".join(w[i:i + size]) + " " for i in range(len(w) - size + 1)}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +32,7 @@ def training_corpus() -> str:
                 docs.append(f.read(40_000))  # training_text reads this much of each file
         except (OSError, UnicodeDecodeError):
             continue
-    return "\n".join(" " + " ".join(words(d)) + " " for d in docs)
+    return "\n".join(joined(d) for d in docs)
 
 
 def test_at_least_96_distinct_prompts_over_every_category(test_set):
@@ -55,7 +43,7 @@ def test_at_least_96_distinct_prompts_over_every_category(test_set):
 
 
 def test_no_test_prompt_or_window_is_in_validation(test_set):
-    validation = "\n".join(" " + " ".join(words(p)) + " " for p in ORDINARY_PROMPTS)
+    validation = "\n".join(joined(p) for p in ORDINARY_PROMPTS)
     assert not set(test_set) & set(ORDINARY_PROMPTS)
     leaked = [w for p in test_set for w in windows(p) if w in validation]
     assert not leaked, leaked[:5]
@@ -69,7 +57,7 @@ def test_no_test_prompt_or_window_is_in_training_data(test_set, training_corpus)
 def test_the_window_check_would_catch_a_leak(training_corpus):
     planted = training_prompts(50, 3)[17]
     assert any(w in training_corpus for w in windows(planted))
-    assert any(w in " " + " ".join(words(ORDINARY_PROMPTS[5])) + " " for w in windows(ORDINARY_PROMPTS[5]))
+    assert any(w in joined(ORDINARY_PROMPTS[5]) for w in windows(ORDINARY_PROMPTS[5]))
 
 
 def test_categories_are_balanced(test_set):

@@ -26,19 +26,25 @@ from skipkey.config import validate_prompt_ids
 from skipkey.errors import InputError
 
 PARTS = ("validation", "test", "all")
+# Where Spec-Bench's questions are kept on the machines this project runs on: beside the repository
+# (``../shared/data/spec_bench/question.jsonl`` from its root), never inside it.
+SPEC_BENCH_BESIDE_REPO = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
 PLAIN_CATEGORY = "text"  # a plain-text file's prompts have no category
 MAX_FILE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One prompt of a file: its id and category, the text, the reference answer if any, and its line."""
+    """One prompt of a file: its id and category, the text, the reference answer if any, and its line; where a
+    line says so (a training prompts file's lines do), where the text came from and under which licence."""
 
     id: str
     category: str
     text: str
     reference: str | None
     line: int
+    source: str | None = None
+    license: str | None = None
 
     @property
     def part(self) -> str:
@@ -128,9 +134,15 @@ def read_prompts(path: str | Path) -> PromptFile:
     return PromptFile(str(path), hashlib.sha256(raw).hexdigest(), tuple(records))
 
 
+def _lines(text: str) -> list[str]:
+    """The file's lines: split at newlines only (a JSON string may hold U+2028, which ``str.splitlines`` also
+    splits at), a Windows line end's carriage return dropped."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
 def _read_jsonl(path: Path, text: str) -> list[PromptRecord]:
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(_lines(text), start=1):
         if not line.strip():
             continue
         try:
@@ -145,7 +157,8 @@ def _read_jsonl(path: Path, text: str) -> list[PromptRecord]:
                              "string)")
         records.append(PromptRecord(id=str(row.get("question_id", number)),
                                     category=str(row.get("category", PLAIN_CATEGORY)), text=prompt,
-                                    reference=_reference_text(row.get("reference")), line=number))
+                                    reference=_reference_text(row.get("reference")), line=number,
+                                    source=_text_field(row, "source"), license=_text_field(row, "license")))
     return records
 
 
@@ -171,10 +184,15 @@ def _first_turn(row: dict) -> str | None:
     return prompt if isinstance(prompt, str) and prompt.strip() else None
 
 
+def _text_field(row: dict, key: str) -> str | None:
+    value = row.get(key)
+    return value if isinstance(value, str) and value.strip() else None
+
+
 def _read_plain(text: str) -> list[PromptRecord]:
     return [PromptRecord(id=str(number), category=PLAIN_CATEGORY, text=line.replace("\\n", "\n"), reference=None,
                          line=number)
-            for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+            for number, line in enumerate(_lines(text), start=1) if line.strip()]
 
 
 def check_lengths(prompts: PromptFile, used: tuple[PromptRecord, ...], tokenizer, context_length: int,
@@ -192,4 +210,4 @@ def check_lengths(prompts: PromptFile, used: tuple[PromptRecord, ...], tokenizer
     return out
 
 
-__all__ = ["PARTS", "PromptFile", "PromptRecord", "check_lengths", "half_of", "read_prompts"]
+__all__ = ["PARTS", "SPEC_BENCH_BESIDE_REPO", "PromptFile", "PromptRecord", "check_lengths", "half_of", "read_prompts"]

@@ -1,4 +1,5 @@
-"""SkipDecode's training data: the full model's continuations of training prompts and windows of offline text,
+"""SkipDecode's training data: the full model's continuations of training prompts (``prompt_source``: a generated
+set, or a prompts file people wrote) and windows of offline text,
 with the full model's top-k log-probabilities at every continuation position; built once, cached under the
 SkipKey cache and kept chunk by chunk while it is built.
 """
@@ -17,27 +18,24 @@ import torch
 from skipkey.config import GenerationSettings
 from skipkey.core.embedded import cache_root
 from skipkey.core.engine import Engine
-from skipkey.quality.prompts import TRAINING_PROMPTS_VERSION, TRAINING_TEXT_VERSION, training_prompts, training_text
-from skipkey.quality.splits import TRAIN_CATEGORIES_VERSION, train_category_prompts
+from skipkey.quality.prompts import TRAINING_PROMPTS_VERSION, TRAINING_TEXT_VERSION, training_text
+from skipkey.quality.splits import TRAIN_CATEGORIES_VERSION
 from skipkey.quality.teacher_forced import teacher_forced_logits_batch
 from skipkey.skipdecode.adapter import fingerprint
 from skipkey.training.batches import make_batch
+from skipkey.training.prompt_source import FILE_SELECTION_VERSION, training_prompt_set
 from skipkey.training.recipe import FinetuneConfig
 
 TEACHER_TOP_K = 64  # teacher log-probs kept per position: almost all the mass, 64 x 8 bytes each
-PROMPT_SET_TEXT = {
-    "generic": "skipkey.quality.prompts.training_prompts: topic templates, code openers and Python help-text "
-               "passages (pydoc_data); none held out",
-    "categories": "skipkey.quality.splits.train_category_prompts: the test set's 13 categories from other "
-                  "templates, words and openings (no 12-word window of a test prompt)",
-}
 
 
 def _data_path(loaded, cfg: FinetuneConfig) -> Path:
     key = json.dumps([loaded.name, fingerprint(loaded.model), cfg.sequences, cfg.gen_len, cfg.seed,
                       TEACHER_TOP_K, TRAINING_PROMPTS_VERSION, str(loaded.dtype)]
                      + ([cfg.text_sequences, cfg.text_prompt_len, TRAINING_TEXT_VERSION] if cfg.text_sequences else [])
-                     + ([cfg.prompts, TRAIN_CATEGORIES_VERSION] if cfg.prompts != "generic" else []),
+                     + ([cfg.prompts, TRAIN_CATEGORIES_VERSION] if cfg.prompts == "categories" else [])
+                     # a prompts file by its contents, wherever it lies
+                     + (["file", cfg.prompts_sha256, FILE_SELECTION_VERSION] if cfg.prompts_sha256 else []),
                      sort_keys=True)
     return cache_root() / "finetune" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
@@ -56,14 +54,6 @@ def _teacher(arch, part: dict, gen_len: int, rows: int = 8) -> tuple[torch.Tenso
         logp.append(top.values.view(n, gen_len, -1).cpu())
         ids.append(top.indices.view(n, gen_len, -1).to(torch.int32).cpu())
     return torch.cat(logp), torch.cat(ids)
-
-
-def training_prompt_set(cfg: FinetuneConfig) -> list[str]:
-    """The ``cfg.sequences`` prompts whose full-model continuations the run trains on (``cfg.prompts``)."""
-    if not cfg.sequences:
-        return []
-    make = train_category_prompts if cfg.prompts == "categories" else training_prompts
-    return make(cfg.sequences, cfg.seed)
 
 
 def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> dict:

@@ -16,8 +16,11 @@ whole capacity goes to the steps that need it.
 
 The steps, in order (``train`` runs them):
 
-1. ``skipkey.quality.prompts.training_prompts``: seeded, varied prompts (topics in
-   templates, code openers, passages of Python's own help text), and
+1. ``skipkey.training.prompt_source``: the training prompts, generated
+   (``skipkey.quality.prompts.training_prompts``: seeded, varied prompts, topics in
+   templates, code openers, passages of Python's own help text) or read from a
+   prompts file people wrote, refused before the model loads if it meets
+   Spec-Bench's test half; and
    ``skipkey.quality.prompts.training_text``: windows of Python's help topics and
    standard-library source. None of it is ``ORDINARY_PROMPTS``, which stay held
    out for the evaluation.
@@ -72,11 +75,12 @@ from skipkey.skipdecode.adapter import (
 from skipkey.skipdecode.schedules import shapes_to_json
 from skipkey.skipdecode.plan import make_skipdecode
 from skipkey.quality.teacher_forced import teacher_forced_logits_batch
-from skipkey.training.data import PROMPT_SET_TEXT, TEACHER_TOP_K, build_dataset
+from skipkey.training.data import TEACHER_TOP_K, build_dataset
+from skipkey.training.prompt_source import check_prompt_file, describe_prompts
 from skipkey.training.batches import (batch_importance, batch_rows, draw_row_layer_sets, make_batch,
                                       prompt_importance, training_shapes)
-from skipkey.training.lora import (SkippingGate, add_lora, default_work_dir, init_adapter_metadata, load_adapter_weights,
-                                   load_checkpoint, save_checkpoint, trainable)
+from skipkey.training.lora import (SkippingGate, add_lora, check_resumable, default_work_dir, init_adapter_metadata,
+                                   load_adapter_weights, load_checkpoint, save_checkpoint, trainable)
 from skipkey.training.recipe import FinetuneConfig
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -159,6 +163,8 @@ def _checkpoint_file(cfg: FinetuneConfig, work_dir, resume: bool, restart: bool)
                          "or --restart to start over")
     if resume and not ckpt.exists():
         raise InputError(f"nothing to resume: no checkpoint in {work}")
+    if resume:
+        check_resumable(ckpt, cfg)
     if restart and ckpt.exists():
         ckpt.unlink()
     return ckpt
@@ -176,6 +182,7 @@ class _Run:
     train_dtype: torch.dtype
     shapes: dict
     init: dict | None
+    prompts: str | dict = ""  # describe_prompts: the generated set, or the prompts file and its overlap check
     teacher: object = None  # full_vocab_teacher's callable, for --kl-over full-vocab
     history: list = field(default_factory=list)
     seconds: float = 0.0
@@ -189,6 +196,8 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
     restored afterwards.
     """
     ckpt = _checkpoint_file(cfg, work_dir, resume, restart)
+    # What the metadata says of the prompts, taken now: a prompts file meeting Spec-Bench's test half is refused here.
+    prompts = describe_prompts(cfg, check_prompt_file(cfg, log))
     if loaded is None:
         loaded = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     num_layers = loaded.num_layers
@@ -215,7 +224,8 @@ def train(cfg: FinetuneConfig, loaded=None, *, resume: bool = False, restart: bo
         params = trainable(peft_model)
         optimizer = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=0.0)
         teacher = full_vocab_teacher(loaded, student, peft_model) if cfg.kl_over == "full-vocab" else None
-        run, start = _Run(cfg, loaded, base_fingerprint, targets, data, train_dtype, shapes, init, teacher), 0
+        run = _Run(cfg, loaded, base_fingerprint, targets, data, train_dtype, shapes, init, prompts, teacher)
+        start = 0
         if resume:
             state = load_checkpoint(ckpt, peft_model, optimizer, cfg)
             run.history, run.seconds, start = state["history"], state["seconds"], state["step"]
@@ -301,7 +311,7 @@ def describe_run(run: _Run) -> dict:
         "lora": {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": 0.0, "target_modules": run.targets,
                  "applies_at": cfg.applies_at, "min_skipped": cfg.min_skipped, "saved_dtype": cfg.save_dtype},
         "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed,
-                 "continuations": {"count": cfg.sequences, "prompts": PROMPT_SET_TEXT[cfg.prompts],
+                 "continuations": {"count": cfg.sequences, "prompts": run.prompts,
                                    "text": f"the full model's greedy {cfg.gen_len} tokens (the engine, EOS ignored)"},
                  "text_windows": {"count": cfg.text_sequences, "prompt_tokens": cfg.text_prompt_len,
                                   "text": "skipkey.quality.prompts.training_text: Python's help topics and standard-library "
@@ -338,6 +348,8 @@ def main(args) -> int:
                          alpha=args.alpha, kl_weight=args.kl_weight, kl_over=args.kl_over, targets=tuple(args.targets),
                          skip_policy=args.skip_policy, importance_from=args.importance_from,
                          gen_len=args.gen_len, sequences=args.sequences, prompts=args.prompts,
+                         prompts_sha256=args.prompts_sha256, spec_bench=args.spec_bench,
+                         overlap_check=args.overlap_check,
                          text_sequences=args.text_sequences,
                          text_prompt_len=args.text_prompt_len, full_depth_share=args.full_depth_share,
                          applies_at=args.applies_at, min_skipped=args.min_skipped,

@@ -132,11 +132,29 @@ def save_checkpoint(path: Path, step: int, peft_model, optimizer, history: list,
     os.replace(path.with_suffix(".tmp"), path)  # a run killed mid-save keeps the previous checkpoint
 
 
+def check_resumable(path: Path, cfg: FinetuneConfig) -> None:
+    """Refuse, before any work (the model, the data), to resume a checkpoint made with other settings."""
+    _same_settings(_read_checkpoint(path), path, cfg)
+
+
 def load_checkpoint(path: Path, peft_model, optimizer, cfg: FinetuneConfig) -> dict:
+    state = _read_checkpoint(path)
+    _same_settings(state, path, cfg)
+    with torch.no_grad():
+        for name, param in trainable(peft_model).items():
+            param.copy_(state["lora"][name])
+    optimizer.load_state_dict(state["optimizer"])
+    return state
+
+
+def _read_checkpoint(path: Path) -> dict:
     try:
-        state = torch.load(path)
+        return torch.load(path)
     except Exception as error:
         raise ModelLoadError(f"Cannot read the checkpoint {path}: {error}; pass --restart to start over.") from error
+
+
+def _same_settings(state: dict, path: Path, cfg: FinetuneConfig) -> None:
     # A checkpoint written before a setting existed ran at that setting's default.
     theirs = {**_resume_key(FinetuneConfig()), **(state.get("config") or {})}
     if theirs != _resume_key(cfg):
@@ -144,11 +162,6 @@ def load_checkpoint(path: Path, peft_model, optimizer, cfg: FinetuneConfig) -> d
         raise InputError(f"the checkpoint in {path.parent} was made with other settings "
                          f"({', '.join(f'{k}: {a} there, {b} now' for k, (a, b) in diff.items())}); "
                          "use the same settings to resume, or --restart to start over")
-    with torch.no_grad():
-        for name, param in trainable(peft_model).items():
-            param.copy_(state["lora"][name])
-    optimizer.load_state_dict(state["optimizer"])
-    return state
 
 
 def default_work_dir(out: str) -> Path:

@@ -5,16 +5,19 @@ share with the run that resumes it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from skipkey.config import MAX_NEW_TOKENS_CAP, decode_steps, require_float, require_int
 from skipkey.errors import InputError
 from skipkey.skipdecode.adapter import APPLIES_AT, SAVE_DTYPES, SKIPPING_STEPS, applies_at
 from skipkey.provenance import command_line
+from skipkey.quality.prompt_file import read_prompts
 from skipkey.skipdecode.plan import LAYER_POLICIES
 
 
 # generic: ``prompts.training_prompts`` (topic templates, code openers, help text); categories:
-# ``splits.train_category_prompts`` (the test set's categories, other texts).
+# ``splits.train_category_prompts`` (the test set's categories, other texts). Anything else ``--prompts`` names is
+# a prompts file people wrote (``skipkey.training.prompt_source``).
 PROMPT_SETS = ("generic", "categories")
 # top-k: KL over the teacher's stored top-k log-probs plus one bucket for the rest (a lower bound);
 # full-vocab: the full model's whole distribution, recomputed at every position of every step.
@@ -44,7 +47,10 @@ class FinetuneConfig:
     importance_from: str = "batch"  # IMPORTANCE_FROM: rank layers on the batch's prompts, or on each prompt alone
     gen_len: int = 64  # continuation tokens; the schedule covers their decode steps
     sequences: int = 320  # the full model's continuations of training prompts
-    prompts: str = "generic"  # PROMPT_SETS: which training prompts those continue
+    prompts: str = "generic"  # PROMPT_SETS, or a prompts file: which training prompts those continue
+    prompts_sha256: str | None = None  # a prompts file's SHA-256: read from it, or given and then checked against it
+    spec_bench: str | None = None  # the Spec-Bench questions a prompts file must not meet (default: beside the repo)
+    overlap_check: bool = True  # False (--no-overlap-check): a prompts file trains unchecked, and the adapter says so
     text_sequences: int = 0  # windows of offline text (help topics, stdlib source), the teacher's log-probs on them
     text_prompt_len: int = 32  # a text window's tokens before its continuation
     full_depth_share: float = 0.0  # share of batches run at full depth: keeps the tuned model's every-layer path
@@ -87,7 +93,8 @@ class FinetuneConfig:
             raise InputError("--full-depth-share trains the full-depth path, which an adapter applied only at "
                              "skipping steps leaves as the original model; use it with --applies-at every-step")
         require_int("seed", self.seed, 0, 2**31 - 1)
-        for name, value, allowed in (("prompts", self.prompts, PROMPT_SETS), ("kl_over", self.kl_over, KL_OVER),
+        self._check_prompts()
+        for name, value, allowed in (("kl_over", self.kl_over, KL_OVER),
                                      ("importance_from", self.importance_from, IMPORTANCE_FROM)):
             if value not in allowed:
                 raise InputError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
@@ -101,6 +108,31 @@ class FinetuneConfig:
             raise InputError(f"targets must be one speedup (fixed) or two, low then high (a range), got {self.targets}")
         object.__setattr__(self, "targets", targets)
 
+    def _check_prompts(self) -> None:
+        """A prompt set by name, or a prompts file that reads (``read_prompts``' refusals, naming file and line),
+        holds ``sequences`` prompts and, where ``prompts_sha256`` is given, is that file still. Whether it meets
+        Spec-Bench's test half is checked before a run starts (``prompt_source.check_prompt_file``)."""
+        is_file = self.prompts not in PROMPT_SETS
+        for name, value in (("--prompts-sha256", self.prompts_sha256), ("--spec-bench", self.spec_bench),
+                            ("--no-overlap-check", not self.overlap_check)):
+            if value and not is_file:
+                raise InputError(f"{name} is for a prompts file (--prompts FILE), not the prompt set {self.prompts!r}")
+        if not self.overlap_check and self.spec_bench:
+            raise InputError("--spec-bench and --no-overlap-check exclude each other")
+        if not is_file:
+            return
+        if not Path(self.prompts).exists():
+            raise InputError(f"prompts must be one of {', '.join(PROMPT_SETS)} or a prompts file (Spec-Bench JSONL "
+                             f"or plain text); there is no file {self.prompts!r}")
+        file = read_prompts(self.prompts)
+        if self.prompts_sha256 not in (None, file.sha256):
+            raise InputError(f"prompts file {self.prompts} has SHA-256 {file.sha256}, not {self.prompts_sha256} "
+                             "(--prompts-sha256): it is another file than the one asked for")
+        object.__setattr__(self, "prompts_sha256", file.sha256)
+        if self.sequences > len(file.records):
+            raise InputError(f"--sequences {self.sequences} asks for more prompts than {self.prompts} holds "
+                             f"({len(file.records)})")
+
     @property
     def schedule_steps(self) -> int:
         return decode_steps(self.gen_len)
@@ -110,13 +142,21 @@ class FinetuneConfig:
         args = ["finetune"]
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None or value is True:  # unset, or a switch left on
                 continue
             flag = "--" + f.name.replace("_", "-")
-            args += [flag, *map(str, value)] if isinstance(value, tuple) else [flag, str(value)]
+            if value is False:
+                args.append("--no-" + f.name.replace("_", "-"))
+            else:
+                args += [flag, *map(str, value)] if isinstance(value, tuple) else [flag, str(value)]
         return command_line(args)
 
 
 def _resume_key(cfg: FinetuneConfig) -> dict:
-    """The settings a checkpoint must share with the run that resumes it."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("checkpoint_every", "device", "save_dtype")}
+    """The settings a checkpoint must share with the run that resumes it: a prompts file by its SHA-256 (its
+    contents, wherever it lies now); the overlap check's settings change no data."""
+    key = {k: v for k, v in asdict(cfg).items()
+           if k not in ("checkpoint_every", "device", "save_dtype", "spec_bench", "overlap_check")}
+    if cfg.prompts_sha256:
+        key["prompts"] = "a prompts file"
+    return key
