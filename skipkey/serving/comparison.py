@@ -134,11 +134,16 @@ def side_metrics(trace: Trace, reference: Trace | None = None) -> SideMetrics:
     if reference is None:
         return SideMetrics(timing, held / 1e6, 100.0 if trace.events else float("nan"), moved=transfer(trace))
     ref_timing = speed(reference)
-    measured = (ref_timing.ms_per_token_p50 / timing.ms_per_token_p50
-                if timing.decode_tokens and ref_timing.decode_tokens else float("nan"))
+    verified = acceptance(trace)
+    # A step's time per token (the median, robust to a stray pause); exact mode shares a verify step's time among
+    # its tokens, so there the decode throughput is the fair ratio.
+    measured = float("nan")
+    if timing.decode_tokens and ref_timing.decode_tokens:
+        measured = (timing.tokens_per_s / ref_timing.tokens_per_s if verified is not None
+                    else ref_timing.ms_per_token_p50 / timing.ms_per_token_p50)
     ours, theirs = traffic(trace), traffic(reference)
     return SideMetrics(timing, held / 1e6, 100.0 * kv_share(trace, reference), compute=compute(trace),
-                       measured_speedup=measured, moved=transfer(trace), verified=acceptance(trace),
+                       measured_speedup=measured, moved=transfer(trace), verified=verified,
                        traffic_ratio=theirs.total / ours.total if ours and theirs else None)
 
 
