@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         rows.append({"example": name, "max_new_tokens": example["max_new_tokens"], "runs": runs,
                      "measured_speedup": statistics.median(r["measured_speedup"] for r in runs)})
         print(f"{name}: {rows[-1]['measured_speedup']:.2f}x the full model beside it "
-              f"({', '.join(f'{r['measured_speedup']:.2f}' for r in runs)}), "
+              f"({', '.join(format(r['measured_speedup'], '.2f') for r in runs)}), "
               f"{statistics.median(r['tokens_per_verify_step'] for r in runs):.2f} tokens per verify step, "
               f"identical {all(r['identical'] for r in runs)}", file=sys.stderr, flush=True)
     if args.output:
