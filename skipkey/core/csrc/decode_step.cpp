@@ -16,8 +16,8 @@
 //   lowest_unprotected  per row and head, the lowest-priority slot outside the recent
 //                     window (the next victim);
 //   score_prompt      a chunk of prompt queries' contributions, summed over queries:
-//                     logits on AMX tiles (bfloat16, where the CPU has them) or AVX-512,
-//                     then mask, noise and softmax while they are still in cache.
+//                     logits on AMX tiles (bfloat16, where the CPU has them), AVX-512 or
+//                     AVX2, then mask, noise and softmax while they are still in cache.
 //
 // Semantics are those of skipkey/attention.py and skipkey/kv_policies.py's eager
 // code, which stays the reference (tests compare the two). Rows and heads are
