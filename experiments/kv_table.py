@@ -7,8 +7,10 @@ range over runs (where there were several), the memory-traffic limit, the measur
 run has a ``window:budget=1.0`` row) the speedup over that row and over the bytes limit against it, TTFT vs full and
 the KV cache held (MiB).
 Then the time-to-first-token run at 4k (five alternating repeats): each policy's median TTFT and the median and range
-of its runs' own ratios to the full model's. Then eviction's own gain (``eviction_gain.py``): one column per prompt
-and batch, each policy's lockstep speedup over ``window:budget=1.0`` and its share of the two limits.
+of its runs' own ratios to the full model's. Then the scored prompt pass in both dtypes (``bench_kv_prompt_*.json``):
+per model, prompt and policy, TTFT and decode against the full model in float32 and in bfloat16, side by side.
+Then eviction's own gain (``eviction_gain.py``): one column per prompt and batch, each policy's lockstep speedup
+over ``window:budget=1.0`` and its share of the two limits. Every row names the dtype its run used.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ FILES = [("llama-mha-350m", "bench_kv_llama350m_2k.json"), ("llama-mha-350m", "b
          ("llama-mha-350m", "bench_kv_llama350m_2k_b8.json"), ("llama-mha-350m", "bench_kv_llama350m_4k_b8.json"),
          ("embedded", "bench_kv_embedded.json")]
 TTFT = "bench_kv_llama350m_4k_ttft.json"
+PROMPT_PASS = "bench_kv_prompt_*.json"  # one per model and dtype
 GAIN = ["eviction_gain_2k_b1.json", "eviction_gain_4k_b1.json", "eviction_gain_2k_b8.json", "eviction_gain_4k_b8.json"]
 
 
@@ -47,34 +50,71 @@ def against_reference(row: dict, reference: dict | None) -> str:
     return f"| {gain:.2f}x | {gain / limit:.2f} "
 
 
+def dtype_of(run: dict) -> str:
+    """The dtype a bench run used, as its JSON records it (``"torch.bfloat16"`` -> ``"bfloat16"``)."""
+    return str(run.get("dtype", "?")).replace("torch.", "")
+
+
+def ratio_with_range(value: float, spread: list | None) -> str:
+    return f"{value:.2f}x" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread else "")
+
+
 def main() -> None:
-    print("| model | prompt | batch | policy | decode tok/s | vs full (runs' range) | bytes limit | of limit "
+    print("| model | dtype | prompt | batch | policy | decode tok/s | vs full (runs' range) | bytes limit | of limit "
           "| vs window 100% | of its limit | TTFT vs full | KV MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model, name in FILES:
         for run in json.loads((HERE / name).read_text()):
             prompts = {row.get("prompt") for row in run["rows"]}
             for prompt_rows in ([r for r in run["rows"] if r.get("prompt") == p] for p in sorted(prompts, key=str)):
                 reference = next((r for r in prompt_rows if r["variant"].startswith(REFERENCE)), None)
                 for row in prompt_rows:
-                    spread = row.get("speedup_range")
-                    ratio = f"{row['speedup_vs_full']:.2f}x" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread and run["repeats"] > 1 else "")
+                    ratio = ratio_with_range(row["speedup_vs_full"], row.get("speedup_range") if run["repeats"] > 1 else None)
                     prompt = run["prompt_tokens"] if isinstance(run["prompt_tokens"], int) else run["prompt_tokens"][0]
-                    print(f"| {model} | {row.get('prompt', prompt)} | {run['batch']} | {policy_name(row['variant'])} "
+                    print(f"| {model} | {dtype_of(run)} | {row.get('prompt', prompt)} | {run['batch']} "
+                          f"| {policy_name(row['variant'])} "
                           f"| {row['tokens_per_s']:.1f} | {ratio} | {row['ideal_ratio']:.2f}x "
                           f"| {row['measured_over_ideal']:.2f} {against_reference(row, reference)}"
                           f"| {row['ttft_vs_full']:.2f}x | {row['kv_bytes'] / 2**20:.1f} |")
 
     path = HERE / TTFT
     for run in json.loads(path.read_text()) if path.exists() else []:
-        print(f"\n{run['repeats']} runs beside the full model, prompt {run['prompt_tokens']}, batch {run['batch']}\n")
+        print(f"\n{run['repeats']} runs beside the full model, prompt {run['prompt_tokens']}, batch {run['batch']}, "
+              f"{dtype_of(run)}\n")
         print("| policy | TTFT s (median) | TTFT vs full (runs' range) |")
         print("|---|---|---|")
         for row in run["rows"]:
-            spread = row.get("ttft_range")
-            ratio = f"{row['ttft_vs_full']:.2f}x" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread else "")
+            ratio = ratio_with_range(row["ttft_vs_full"], row.get("ttft_range"))
             print(f"| {policy_name(row['variant'])} | {row['ttft_s']:.2f} | {ratio} |")
+    prompt_pass_table()
     eviction_gain_table()
+
+
+def prompt_pass_table() -> None:
+    """The scored prompt pass in float32 and bfloat16 side by side: TTFT (s, and vs full with the runs' range)
+    and decode vs full, per model, prompt and policy."""
+    rows: dict[tuple, dict[str, dict]] = {}
+    for path in sorted(HERE.glob(PROMPT_PASS)):
+        for run in json.loads(path.read_text()):
+            prompt = run["prompt_tokens"] if isinstance(run["prompt_tokens"], int) else run["prompt_tokens"][0]
+            for row in run["rows"]:
+                key = (run["model"], row.get("prompt", prompt), policy_name(row["variant"]))
+                rows.setdefault(key, {})[dtype_of(run)] = row if run["repeats"] > 1 else {**row, "ttft_range": None,
+                                                                                      "speedup_range": None}
+    if not rows:
+        return
+    dtypes = sorted({d for by_dtype in rows.values() for d in by_dtype})
+    print("\n| model | prompt | policy | " + " | ".join(f"{d}: TTFT s | TTFT vs full | decode vs full" for d in dtypes)
+          + " |")
+    print("|---|---|---|" + "---|---|---|" * len(dtypes))
+    for (model, prompt, policy), by_dtype in rows.items():
+        cells = []
+        for d in dtypes:
+            row = by_dtype.get(d)
+            cells.append("– | – | –" if row is None else
+                         f"{row['ttft_s']:.2f} | {ratio_with_range(row['ttft_vs_full'], row.get('ttft_range'))} "
+                         f"| {ratio_with_range(row['speedup_vs_full'], row.get('speedup_range'))}")
+        print(f"| {model} | {prompt} | {policy} | " + " | ".join(cells) + " |")
 
 
 def eviction_gain_table() -> None:

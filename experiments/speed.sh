@@ -45,22 +45,36 @@ kv() {
 # pair once untimed at full length (--warmup 1); the batch-8 rows, whose prompt passes take minutes here, only the
 # short warm-up. `window:budget=1.0` keeps the whole prompt through the same fused attention kernel the evicting
 # layers use: its row is what the attention path alone buys against the full model's SDPA, with nothing evicted.
+# These rows are bfloat16, named so that a CPU without AVX512-BF16 (whose default is float32) measures the same.
 kv="window:budget=1.0 window streaming h2o keyformer tova snapkv keyformer:observe=8,pool=7 keyformer:evict_every=8"
-$py --model random:llama-mha-350m --prompt-tokens 2048 --max-new-tokens 24 --batch 1 --warmup 1 --repeats 2 \
+bf16="--dtype bfloat16"
+$py --model random:llama-mha-350m $bf16 --prompt-tokens 2048 --max-new-tokens 24 --batch 1 --warmup 1 --repeats 2 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_2k.json
-$py --model random:llama-mha-350m --prompt-tokens 4096 --max-new-tokens 24 --batch 1 --warmup 1 --repeats 1 \
+$py --model random:llama-mha-350m $bf16 --prompt-tokens 4096 --max-new-tokens 24 --batch 1 --warmup 1 --repeats 1 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_4k.json
 # Time to first token alone at 4k (the rows above have one or two prompt passes each, and this VM's drift moves a
 # single pass by 10-30%): five alternating repeats of the policies that score the prompt.
-$py --model random:llama-mha-350m --prompt-tokens 4096 --max-new-tokens 2 --batch 1 --warmup 1 --repeats 5 \
+$py --model random:llama-mha-350m $bf16 --prompt-tokens 4096 --max-new-tokens 2 --batch 1 --warmup 1 --repeats 5 \
     --no-generate --compare-kv h2o keyformer tova snapkv keyformer:observe=8,pool=7 --kv-budget 0.5 \
     --output $out/bench_kv_llama350m_4k_ttft.json
-$py --model random:llama-mha-350m --prompt-tokens 2048 --max-new-tokens 16 --batch 8 --warmup 0 --repeats 1 \
+$py --model random:llama-mha-350m $bf16 --prompt-tokens 2048 --max-new-tokens 16 --batch 8 --warmup 0 --repeats 1 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_2k_b8.json
-$py --model random:llama-mha-350m --prompt-tokens 4096 --max-new-tokens 16 --batch 8 --warmup 0 --repeats 1 \
+$py --model random:llama-mha-350m $bf16 --prompt-tokens 4096 --max-new-tokens 16 --batch 8 --warmup 0 --repeats 1 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_llama350m_4k_b8.json
-$py --model embedded --prompt-tokens 2048 4096 --max-new-tokens 32 --batch 1 --warmup 1 --repeats 2 \
+$py --model embedded $bf16 --prompt-tokens 2048 4096 --max-new-tokens 32 --batch 1 --warmup 1 --repeats 2 \
     --no-generate --compare-kv $kv --kv-budget 0.5 --output $out/bench_kv_embedded.json
+# The scored prompt pass in both dtypes (issue 44: a float32 Keyformer prompt once took 9.8x the full model's on a
+# CPU without AVX-512): time to first token and decode of the policies that score the prompt and the recommended
+# query-aware Keyformer, beside the full model, batch 1, at 2k and 4k, float32 and bfloat16 (each JSON names its
+# dtype; python -m experiments.kv_table shows them side by side).
+scoring="h2o keyformer tova snapkv keyformer:observe=8,pool=7"
+for dtype in float32 bfloat16; do
+  for model in random:llama-mha-350m embedded; do
+    $py --model $model --dtype $dtype --prompt-tokens 2048 4096 --max-new-tokens 16 --batch 1 --warmup 1 \
+        --repeats 3 --no-generate --compare-kv $scoring --kv-budget 0.5 \
+        --output $out/bench_kv_prompt_${model#random:}_$dtype.json
+  done
+done
 # Eviction's own gain: each policy in lockstep beside `window:budget=1.0` (the same kernel, nothing evicted), both
 # from one recorded prompt pass, three runs of 32 decode steps; the ratio-of-ratios above is too noisy at batch 8.
 for batch in 1 8; do for tokens in 2048 4096; do

@@ -491,6 +491,25 @@ def test_a_finished_run_keeps_a_bounded_history(tiny):
     assert comparison.recorded_step(thin, 500) == 39
 
 
+
+def test_skipkeys_metrics_show_its_prompt_pass_beside_the_full_models():
+    """What scoring the prompt for eviction costs is on the page: SkipKey's first token beside the full model's,
+    read from the two traces alone."""
+    from skipkey.core.engine import StepEvent
+
+    def trace_of(first_token_s):
+        trace = Trace(num_layers=2, layer_cost=1.0, head_cost=1.0)
+        for step, seconds in enumerate([first_token_s, 0.01, 0.01]):
+            trace.add(StepEvent(step=step, tokens=(1,), texts=("a",), finished=(False,), layers=(0, 1),
+                                seconds=seconds, kv_bytes=0, cache_lengths=(0,)))
+        return trace
+
+    full, sk = trace_of(2.0), trace_of(2.5)
+    metrics = comparison.side_metrics(sk, full)
+    assert metrics.prompt_ratio == pytest.approx(1.25)
+    assert "first token **2.50** s (full model **2.00** s: **1.25x**)" in metrics.markdown()
+    assert "full model" not in comparison.side_metrics(full).markdown()
+
 # -- the tuned toggle -------------------------------------------------------------------
 def test_tuned_weights_run_on_the_skipkey_side_only(handlers, tiny, tiny_adapter):
     from skipkey.skipdecode.adapter import load_tuned

@@ -137,8 +137,17 @@ def test_attention_alone_is_the_eager_attention_over_the_same_slots(monkeypatch,
 @pytest.mark.parametrize("d", [8, 64])  # 64: bfloat16's AMX tiles where the CPU has them (whole and padded tiles)
 def test_prompt_scores_equal_the_eager_ones(monkeypatch, fused, dtype, window, contribution, observe, d):
     """Prompt scoring (``score_prompt``) in chunks, with padding, a window, GQA, noise and an observation window."""
+    fast, eager = _prompt_scores(monkeypatch, dtype, window, contribution, observe, d)
+    assert fast.abs().sum() > 0
+    # The kernel keeps the logits in float32 where eager rounds them to bfloat16.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast, eager, rtol=tol, atol=tol)
+
+
+def _prompt_scores(monkeypatch, dtype, window, contribution, observe, d, s=70) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's prompt scores with the kernels and without: two rows (one left-padded), GQA, chunks of 16."""
     torch.manual_seed(0)
-    b, hkv, groups, s = 2, 2, 2, 70
+    b, hkv, groups = 2, 2, 2
     query, key = torch.randn(b, hkv * groups, s, d).to(dtype), torch.randn(b, hkv, s, d).to(dtype)
     pad = 9  # the second row is left-padded
     qpos = torch.stack([torch.arange(s), torch.arange(s) - pad]).clamp(min=-1)
@@ -151,10 +160,37 @@ def test_prompt_scores_equal_the_eager_ones(monkeypatch, fused, dtype, window, c
         scoring.accumulate_scores(layer, 3, query, key, d ** -0.5, StepState(
             cache=None, query_positions=qpos, contribution=contribution, observe=observe, position_limit=s))
         results.append(layer.scores)
-    assert results[0].abs().sum() > 0
-    # The kernel keeps the logits in float32 where eager rounds them to bfloat16.
+    return results[0], results[1]
+
+
+@pytest.fixture(scope="module")
+def built_for_avx2():
+    """The kernels as built for a CPU with AVX2 and FMA but no AVX-512 (``-march=x86-64-v3``): their prompt
+    scoring takes the portable path. A float32 prompt pass there once took ten times the full model's (#44)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU cannot run AVX2 code")
+    from torch.utils.cpp_extension import load
+    flags = ["-march=x86-64-v3" if flag == "-march=native" else flag for flag in kernels._FLAGS]
+    return load(name="skipkey_decode_step_test_x86_64_v3", sources=[str(kernels.SOURCE)], extra_cflags=flags,
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("contribution", [ScoreContribution(), ScoreContribution(1.3, 4)])
+def test_prompt_scores_without_avx512_equal_the_eager_ones(monkeypatch, fused, built_for_avx2, dtype, window,
+                                                          contribution):
+    """The portable path (blocks of 16 keys and a zero-padded last block: 75 slots leave 11) scores as eager
+    does, and in float32 as the AVX-512 build does (the same fused multiply-adds in the same order)."""
+    native, _ = _prompt_scores(monkeypatch, dtype, window, contribution, 0, 64, s=75)
+    monkeypatch.setattr(kernels, "_built", lambda: built_for_avx2)
+    monkeypatch.setenv(kernels.SWITCH, "1")
+    assert kernels.for_tensors(torch.zeros(1)) is built_for_avx2 and not built_for_avx2.bf16_pairs()
+    portable, eager = _prompt_scores(monkeypatch, dtype, window, contribution, 0, 64, s=75)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(results[0], results[1], rtol=tol, atol=tol)
+    torch.testing.assert_close(portable, eager, rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(portable, native, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -258,6 +258,34 @@ def test_a_soft_capped_layer_scores_its_capped_attention_weights():
     assert (scores(None) - weights).abs().max() > 1e-2  # the cap matters here
 
 
+@pytest.mark.parametrize("kernels_on", ["1", "0"])  # the fused CPU kernels (where they build), the eager path
+def test_an_observation_window_scores_observe_times_prompt_logits(tiny_models, monkeypatch, kernels_on):
+    """The prompt pass of ``observe=8`` computes 8 x P logits per query head and layer, not about P^2 / 2
+    (counted, not timed): the scored prompt costs what the window asks for at any length."""
+    import skipkey.kv.scoring as scoring
+    from skipkey.core import kernels
+
+    monkeypatch.setenv(kernels.SWITCH, kernels_on)
+    counted = []
+    score = scoring.accumulate_scores
+    monkeypatch.setattr(scoring, "accumulate_scores", lambda *args: counted.append(score(*args)) or counted[-1])
+    lm = tiny_models("llama")
+    heads, layers = lm.model.config.num_attention_heads, lm.model.config.num_hidden_layers
+
+    def logits(length, **options):
+        counted.clear()
+        prompt = [3 + (7 * i) % 250 for i in range(length)]
+        Trace.collect(Engine(lm, kv=make_kv_policy("keyformer", budget=0.5, **options)), [prompt],
+                      GenerationSettings(max_new_tokens=2))
+        assert len(counted) == layers  # the prompt pass of every layer, and no decode step
+        return sum(counted)
+
+    for length in (150, 300):
+        assert logits(length, observe=8) == layers * heads * 8 * length
+        # Without the window every query is scored: its causal triangle, at least.
+        assert logits(length) >= layers * heads * length * (length + 1) // 2
+
+
 def test_gumbel_noise_is_finite_for_every_draw():
     """The extreme 24-bit draws (0 and 2**24 - 1) give finite noise: in float32 the top one used to round to
     u = 1.0, an infinite Gumbel value, a NaN softmax row, and a whole head's scores turned to NaN."""

@@ -7,8 +7,8 @@ logits to memory and makes about nine passes over them. Four C++ kernels do the
 same work in one call each: ``attend_score`` (attention output and score
 contribution from one read of the keys and values), ``write_slot``,
 ``lowest_unprotected`` and ``score_prompt`` (a prompt chunk's logits, on AMX tiles
-where the CPU has them, then mask, noise, softmax and the sum over queries, without
-the logits leaving the cache).
+where the CPU has them, AVX-512 or AVX2 registers elsewhere, then mask, noise,
+softmax and the sum over queries, without the logits leaving the cache).
 
 They are an optimisation only. The eager code in ``skipkey.core.attention``,
 ``skipkey.core.cache`` and ``skipkey.kv.policies`` stays the reference and runs

@@ -55,9 +55,12 @@ def gumbel_noise(seed: int, where, shape) -> torch.Tensor:
     start = query_starts(seed, where.layer, hkv, groups, device, qpos, where.position_limit)  # [B, Hkv, G, q]
     table = noise_table(seed, str(device))
     if where.key_start is not None and s <= NOISE_COLS:
-        # Consecutive key positions: each query reads one contiguous run of its doubled row.
-        row, shift = start // (2 * NOISE_COLS), start % (2 * NOISE_COLS)
-        return table.unfold(1, s, 1)[row, (where.key_start[:, None, None, None] + shift) & (NOISE_COLS - 1)]
+        # Consecutive key positions: each query reads one contiguous run of its doubled row, copied whole
+        # (``index_select`` of the flat table's overlapping runs: a row copy each, not a gather per key).
+        shift = start % (2 * NOISE_COLS)
+        first = start - shift + ((where.key_start[:, None, None, None] + shift) & (NOISE_COLS - 1))
+        runs = table.view(-1).unfold(0, s, 1)
+        return runs.index_select(0, first.reshape(-1)).view(b, hkv, groups, q, s)
     # Any key positions (a decode step's shuffled slots): the doubled row makes column
     # ``(kpos mod NOISE_COLS) + shift`` the same draw as ``(kpos + shift) mod NOISE_COLS``, so each
     # key costs one mask, one add and one gather.

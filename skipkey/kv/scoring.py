@@ -14,12 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from skipkey.core import kernels
 from skipkey.core.attention import NO_NOISE, StepState, allowed_keys, attend_fused, mask_for_output, soft_cap
 from skipkey.kv.noise import NOISE_COLS, gumbel_noise, noise_table, query_starts
 
-SCORE_CHUNK = 256  # prompt queries scored at once; bounds prefill memory on long prompts
+SCORE_CHUNK = 256  # prompt queries scored at once at most; bounds prefill memory on long prompts
+# The eager path on CPU scores fewer at once: a chunk's float32 logits (and the noise and softmax made from them)
+# at most this many bytes stay in the cache, and below glibc's mmap threshold (32 MB), above which every chunk's
+# fresh tensors page-fault their memory in again. 256 queries at 4k tokens took 1.6x the time of 32 (#44).
+EAGER_CPU_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -56,12 +61,13 @@ class ScoreContribution:
         return self.noise_seed is None and self.tau == 1.0
 
     def __call__(self, logits: torch.Tensor, where: NoiseIndex, probs: torch.Tensor | None = None) -> torch.Tensor:
-        """``logits`` [B, Hkv, G, q, S] float32, -inf where masked; ``probs``, when given, is their softmax."""
+        """``logits`` [B, Hkv, G, q, S] in the model's dtype or float32, -inf where masked; ``probs``, when
+        given, is their softmax. Float32 out, computed as from ``logits.float()`` but without that copy."""
         if self.is_attention:
-            return probs if probs is not None else torch.softmax(logits, dim=-1)
+            return probs if probs is not None else torch.softmax(logits, dim=-1, dtype=torch.float32)
         if self.noise_seed is None:
-            return torch.softmax(logits / self.tau, dim=-1)
-        noisy = logits + gumbel_noise(self.noise_seed, where, logits.shape)
+            return torch.softmax(logits.float() / self.tau, dim=-1)
+        noisy = gumbel_noise(self.noise_seed, where, logits.shape).add_(logits)  # the noise is a fresh tensor
         return torch.softmax(noisy.div_(self.tau) if self.tau != 1.0 else noisy, dim=-1)
 
     def score_prompt(self, layer, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
@@ -116,13 +122,14 @@ def _skipped_before(layer, query_positions: torch.Tensor, observe: int) -> torch
 
 
 def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
-                      state: StepState, softcap: float | None = None) -> None:
+                      state: StepState, softcap: float | None = None) -> int:
     """Add each prompt query's score contribution to ``layer.scores`` [B, Hkv, S], summed over GQA groups.
 
     Logits are computed in the model's dtype (as eager attention does) in query
     chunks, so prefill memory stays bounded. ``state.observe`` > 0 scores only each
-    row's last ``observe`` queries (SnapKV's observation window). ``softcap``: the model caps its
-    attention logits (``soft_cap``).
+    row's last ``observe`` queries (SnapKV's observation window): ``observe`` x S
+    logits per query head, not S^2 / 2. ``softcap``: the model caps its attention logits (``soft_cap``).
+    Returns the number of logits computed.
     """
     b, hq, q, d = query.shape
     hkv = key.shape[1]
@@ -134,41 +141,60 @@ def accumulate_scores(layer, layer_idx: int, query: torch.Tensor, key: torch.Ten
     # chunk's queries see no slot after ``stop`` and, in a sliding layer, none before its window.
     # Scoring only that band is exact and halves the work of a long prompt.
     prompt_only = q == key.shape[2]
-    chunks = _PromptChunks(layer, layer_idx, query * scaling, key, state, prompt_only, softcap)
     first = max(0, q - observe) if observe > 0 and prompt_only else 0
-    for start in range(first, q, SCORE_CHUNK):
-        stop = min(q, start + SCORE_CHUNK)
-        qpos = query_positions[:, start:stop]
-        if bool((qpos.max(dim=1).values <= skip_until).all()):
-            continue
+    chunks = _PromptChunks(layer, layer_idx, (query, scaling), key, state, prompt_only, q - first, softcap)
+    computed = 0
+    for start, stop in _scored_chunks(query_positions[:, first:], skip_until, chunks.size):
+        start, stop = start + first, stop + first
         lo, hi = 0, key.shape[2]
         if prompt_only:
             hi = stop
             if layer.window is not None:
                 lo = max(0, start - layer.window + 1)
         # Padding queries, and queries before the observation window, weigh nothing.
-        weight = (qpos > skip_until[:, None]).float()
+        weight = (query_positions[:, start:stop] > skip_until[:, None]).float()
         chunks.add(start, stop, lo, hi, weight, total)
+        computed += b * hq * (stop - start) * (hi - lo)
     layer.scores = scores + total
+    return computed
+
+
+def _scored_chunks(query_positions: torch.Tensor, skip_until: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """The chunks of ``size`` queries ``[start, stop)`` in which some row has a query after its ``skip_until``:
+    decided for all chunks at once (one device sync a layer, not one a chunk)."""
+    rows, q = query_positions.shape
+    count = -(-q // size)
+    padded = F.pad(query_positions, (0, count * size - q), value=-1)
+    scored = (padded.view(rows, count, size).amax(dim=2) > skip_until[:, None]).any(dim=0).tolist()
+    return [(i * size, min(q, (i + 1) * size)) for i in range(count) if scored[i]]
 
 
 class _PromptChunks:
     """One layer's prompt queries, scored a chunk at a time into a running total (``accumulate_scores``)."""
 
-    def __init__(self, layer, layer_idx: int, queries: torch.Tensor, key: torch.Tensor, state: StepState,
-                 prompt_only: bool, softcap: float | None):
-        self.layer, self.layer_idx, self.queries, self.state = layer, layer_idx, queries, state
+    def __init__(self, layer, layer_idx: int, queries: tuple[torch.Tensor, float], key: torch.Tensor,
+                 state: StepState, prompt_only: bool, scored: int, softcap: float | None):
+        """``queries``: the layer's queries and their scale, applied a chunk at a time (an observation window
+        scales only its own); ``scored``: how many of them are scored (the last ones)."""
+        self.layer, self.layer_idx, self.state = layer, layer_idx, state
+        self.queries, self.scaling = queries
         self.prompt_only, self.softcap = prompt_only, softcap
         query_positions = state.query_positions
         self.first_slot_position = query_positions.max(dim=1).values - (query_positions.shape[1] - 1)
         # With no padding and no window, a chunk's queries see every key before the chunk: only the
         # diagonal block needs the causal mask.
         self.block_only = prompt_only and layer.window is None and bool((query_positions >= 0).all())
-        self.fused = kernels.for_tensors(queries, key) if softcap is None else None  # the kernel does not cap
+        self.fused = kernels.for_tensors(self.queries, key) if softcap is None else None  # the kernel does not cap
+        self.size = SCORE_CHUNK  # queries a chunk
+        if self.fused is None and key.device.type == "cpu":
+            most = EAGER_CPU_CHUNK_BYTES // (4 * self.queries.shape[0] * self.queries.shape[1] * key.shape[2])
+            self.size = max(16, min(SCORE_CHUNK, 1 << max(0, most.bit_length() - 1)))
         if self.fused is not None:  # keys packed once per layer for the kernel's products
             self.packed = kernels.pack_keys(self.fused, key)
-        else:
-            self.keys_t = key.transpose(-1, -2).contiguous()  # [B, Hkv, D, S]: the chunks' products run ~1.6x faster
+        else:  # [B, Hkv, D, S]: contiguous, the chunks' products run ~1.6x faster; worth its copy past one chunk
+            self.keys_t = key.transpose(-1, -2)
+            if scored > SCORE_CHUNK:
+                self.keys_t = self.keys_t.contiguous()
 
     def add(self, start: int, stop: int, lo: int, hi: int, weight: torch.Tensor, total: torch.Tensor) -> None:
         """Queries ``start:stop`` against slots ``lo:hi``: their weighted contributions added to ``total``."""
@@ -178,18 +204,21 @@ class _PromptChunks:
         groups, n = hq // hkv, stop - start
         qpos = state.query_positions[:, start:stop]
         positions = layer.positions[:, :, lo:hi]
-        qc = self.queries[:, :, start:stop].reshape(b, hkv, groups * n, d)
+        qc = (self.queries[:, :, start:stop] * self.scaling).reshape(b, hkv, groups * n, d)
         if self.fused is not None:  # logits, mask, noise, softmax and the weighted sum in one pass, logits in registers
             noise = _fused_noise(contribution, self.layer_idx, hkv, groups, qpos, state.position_limit)
             self.fused.score_prompt(qc.contiguous(), groups, self.packed[:, :, :, lo:hi], qpos.contiguous(), weight,
                                     positions, layer.window or 0, *noise, NOISE_COLS, float(contribution.tau),
                                     total[:, :, lo:hi])
             return
-        logits = soft_cap(torch.matmul(qc, self.keys_t[..., lo:hi]).float(), self.softcap)
-        logits = logits.view(b, hkv, groups, n, hi - lo)
+        # In the model's dtype, as eager attention computes them; the contribution reads them into float32
+        # (capped logits are capped in float32).
+        logits = torch.matmul(qc, self.keys_t[..., lo:hi]).view(b, hkv, groups, n, hi - lo)
+        if self.softcap is not None:
+            logits = soft_cap(logits.float(), self.softcap)
         if self.block_only:
-            causal = torch.ones(n, n, dtype=torch.bool, device=qc.device).tril_()
-            logits[..., start - lo:].masked_fill_(~causal, float("-inf"))
+            later = torch.ones(n, n, dtype=torch.bool, device=qc.device).triu_(1)
+            logits[..., start - lo:].masked_fill_(later, float("-inf"))
         else:
             slots = torch.arange(start - lo, stop - lo, device=qc.device) if self.prompt_only else None
             allowed = allowed_keys(positions, qpos, layer.window, slots)

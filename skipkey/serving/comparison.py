@@ -102,12 +102,24 @@ class SideMetrics:
     traffic_ratio: float | None = None  # the full model's bytes read per step over SkipKey's
     moved: Transfer | None = None  # where a device map offloads weights
     verified: Acceptance | None = None  # exact mode: the drafts' acceptance and tokens per verify step
+    full_ttft_s: float | None = None  # SkipKey's side: the full model's prompt pass, beside its own
+
+    @property
+    def prompt_ratio(self) -> float | None:
+        """SkipKey's prompt pass over the full model's: what scoring the prompt for eviction costs."""
+        if self.full_ttft_s is None or not self.full_ttft_s > 0:
+            return None
+        return self.speed.ttft_s / self.full_ttft_s
 
     def markdown(self) -> str:
         s = self.speed
+        first = f"first token **{fmt(s.ttft_s, '{:.2f}')}** s"
+        if self.full_ttft_s is not None:
+            first += (f" (full model **{fmt(self.full_ttft_s, '{:.2f}')}** s: "
+                      f"**{fmt(self.prompt_ratio, '{:.2f}')}x**)")
         lines = [
             f"**{fmt(s.tokens_per_s, '{:.1f}')}** tokens/s · **{fmt(s.ms_per_token_p50, '{:.0f}')}** ms/token "
-            f"· first token **{fmt(s.ttft_s, '{:.2f}')}** s",
+            f"· {first}",
             f"KV cache **{fmt(self.kv_mb, '{:.2f}')}** MB ({fmt(self.kv_percent, '{:.0f}')}% of full)",
         ]
         if self.compute is not None:
@@ -144,7 +156,8 @@ def side_metrics(trace: Trace, reference: Trace | None = None) -> SideMetrics:
     ours, theirs = traffic(trace), traffic(reference)
     return SideMetrics(timing, held / 1e6, 100.0 * kv_share(trace, reference), compute=compute(trace),
                        measured_speedup=measured, moved=transfer(trace), verified=verified,
-                       traffic_ratio=theirs.total / ours.total if ours and theirs else None)
+                       traffic_ratio=theirs.total / ours.total if ours and theirs else None,
+                       full_ttft_s=ref_timing.ttft_s)
 
 
 def agreement_summary(full: Trace, accelerated: Trace, tokenizer=None, final: bool = False) -> str:

@@ -16,8 +16,8 @@
 //   lowest_unprotected  per row and head, the lowest-priority slot outside the recent
 //                     window (the next victim);
 //   score_prompt      a chunk of prompt queries' contributions, summed over queries:
-//                     logits on AMX tiles (bfloat16, where the CPU has them) or AVX-512,
-//                     then mask, noise and softmax while they are still in cache.
+//                     logits on AMX tiles (bfloat16, where the CPU has them), AVX-512 or
+//                     AVX2, then mask, noise and softmax while they are still in cache.
 //
 // Semantics are those of skipkey/attention.py and skipkey/kv_policies.py's eager
 // code, which stays the reference (tests compare the two). Rows and heads are
@@ -90,6 +90,20 @@ inline __m512 exp_nonpositive16(__m512 x) {
 }
 #endif
 
+// The largest of row[0, n) (-inf for none), in sixteen running maxima the compiler vectorises (one would be a
+// chain of dependent instructions). The maximum is exact, so the order does not change it.
+inline float max_of(const float* row, int64_t n) {
+  float tops[16];
+  std::fill(tops, tops + 16, kNegInf);
+  int64_t s = 0;
+  for (; s + 16 <= n; s += 16)
+    for (int t = 0; t < 16; ++t) tops[t] = row[s + t] > tops[t] ? row[s + t] : tops[t];
+  float top = kNegInf;
+  for (; s < n; ++s) top = std::max(top, row[s]);
+  for (int t = 0; t < 16; ++t) top = std::max(top, tops[t]);
+  return top;
+}
+
 // In place: row <- exp(row - top) (top: row's maximum, finite), entries of -inf (masked keys) exactly 0;
 // returns their sum.
 float exp_below(float* row, int64_t n, float top) {
@@ -125,7 +139,7 @@ float exp_shifted(float* row, int64_t n) {
   for (; s + 16 <= n; s += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(row + s));
   top = _mm512_reduce_max_ps(tops);
 #endif
-  for (; s < n; ++s) top = std::max(top, row[s]);
+  top = std::max(top, max_of(row + s, n - s));
   if (top == kNegInf) {
     std::fill(row, row + n, 0.0f);
     return 0.0f;
@@ -652,10 +666,9 @@ void add_query_row(float* row, int64_t slots, const int64_t* kp, bool consecutiv
       }
       top = _mm512_reduce_max_ps(tops);
 #endif
-      for (; j < n; ++j) {
-        x[j] = (x[j] + (noisy ? noise[j] : 0.0f)) * inv_tau;
-        top = std::max(top, x[j]);
-      }
+      // The rest (all of it without AVX-512) in two loops the compiler vectorises.
+      for (int64_t i = j; i < n; ++i) x[i] = (x[i] + (noisy ? noise[i] : 0.0f)) * inv_tau;
+      top = std::max(top, max_of(x + j, n - j));
       const float scale = w / exp_below(x, n, top);
       for (j = 0; j < n; ++j) out[lo + j] += scale * x[j];
       return;
@@ -723,6 +736,57 @@ inline void logits_4xkeys(float* out, int64_t stride, const void* q, int64_t ste
       else _mm512_mask_storeu_ps(out + j * stride + 16 * c, live, acc[j][c]);
 }
 #endif
+
+#if defined(__AVX512F__)
+constexpr bool kAvx512 = true;
+#else
+constexpr bool kAvx512 = false;
+#endif
+
+// logits_4xkeys for CPUs without AVX-512 (P = 1): four float32 queries against kPortableKeys keys packed [D, S]
+// (step_stride apart per dimension). Each sum runs over the dimensions in order, one fused multiply-add each, as in
+// logits_4xkeys, so a CPU with AVX2 gives its logits bit for bit. The 4 x 16 sums stay in eight AVX2 registers
+// (the compiler does not find that layout itself once the function is inlined).
+constexpr int64_t kPortableKeys = 16;
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+#endif
+
+template <typename T>
+inline void logits_4xkeys_portable(float* out, int64_t stride, const float* q, int64_t steps, const T* k,
+                                   int64_t step_stride) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[4][2];
+  for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < steps; ++i) {
+    const T* kr = k + i * step_stride;
+    const __m256 k0 = load8(kr), k1 = load8(kr + 8);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 qj = _mm256_broadcast_ss(q + j * steps + i);
+      acc[j][0] = _mm256_fmadd_ps(qj, k0, acc[j][0]);
+      acc[j][1] = _mm256_fmadd_ps(qj, k1, acc[j][1]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    _mm256_storeu_ps(out + j * stride, acc[j][0]);
+    _mm256_storeu_ps(out + j * stride + 8, acc[j][1]);
+  }
+#else
+  float acc[4][kPortableKeys] = {};
+  for (int64_t i = 0; i < steps; ++i) {
+    const T* kr = k + i * step_stride;
+    for (int64_t j = 0; j < 4; ++j)
+      for (int64_t t = 0; t < kPortableKeys; ++t) acc[j][t] += q[j * steps + i] * widen(kr[t]);
+  }
+  for (int64_t j = 0; j < 4; ++j)
+    for (int64_t t = 0; t < kPortableKeys; ++t) out[j * stride + t] = acc[j][t];
+#endif
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX (Sapphire Rapids and later): 16 x 16 blocks of logits from tiles, for prompt scoring in bfloat16.
@@ -832,6 +896,7 @@ void score_prompt_impl(const at::Tensor& queries, int64_t groups, const at::Tens
     std::vector<float> qf(P == 1 ? 4 * dim : 0);
     std::vector<uint32_t> qw(P == 2 && !amx ? 4 * steps : 0);
     std::vector<c10::BFloat16> padded_q(amx ? 16 * dim : 0), padded_k(amx ? 16 * dim : 0);
+    std::vector<float> tail_keys(kAvx512 ? 0 : steps * kPortableKeys);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / heads, h = task % heads;
       const int64_t* kp = kpos_ptr + b * kpos_strides[0] + (kpos_heads == 1 ? 0 : h) * kpos_strides[1];
@@ -842,6 +907,12 @@ void score_prompt_impl(const at::Tensor& queries, int64_t groups, const at::Tens
       while (first < slots && kp[first] < 0) ++first;
       bool consecutive = first < slots;
       for (int64_t s = first + 1; consecutive && s < slots; ++s) consecutive = kp[s] == kp[first] + (s - first);
+      const int64_t tail = slots / kPortableKeys * kPortableKeys;
+      if (!tail_keys.empty() && tail < slots) {  // the slots after the last whole block, widened, zero-padded
+        std::fill(tail_keys.begin(), tail_keys.end(), 0.0f);
+        for (int64_t i = 0; i < steps; ++i)
+          for (int64_t s = tail; s < slots; ++s) tail_keys[i * kPortableKeys + s - tail] = widen(kb[i * k_strides[2] + s]);
+      }
       for (int64_t r0 = 0; r0 < n_rows; r0 += block) {
         const int64_t count = std::min<int64_t>(block, n_rows - r0);
         bool any = false;
@@ -892,14 +963,13 @@ void score_prompt_impl(const at::Tensor& queries, int64_t groups, const at::Tens
             logits_4xkeys<T, P, 1>(logits.data() + s, stride, qdata, steps, kb + s * P, k_strides[2], live);
           }
 #endif
-          for (; s < slots; ++s)  // no AVX-512: plain dot products
-            for (int64_t j = 0; j < 4; ++j) {
-              float acc = 0.0f;
-              for (int64_t i = 0; i < dim; ++i)
-                acc += (P == 2 ? widen(reinterpret_cast<const T*>(qw.data() + j * steps)[i]) : qf[j * dim + i]) *
-                       widen(kb[(i / P) * k_strides[2] + s * P + i % P]);
-              logits[j * stride + s] = acc;
-            }
+          if constexpr (P == 1 && !kAvx512) {  // no AVX-512 (P = 2 needs AVX512-BF16)
+            for (; s + kPortableKeys <= slots; s += kPortableKeys)
+              logits_4xkeys_portable(logits.data() + s, stride, qf.data(), steps, kb + s, k_strides[2]);
+            if (s < slots)  // the last keys, from the task's zero-padded copy
+              logits_4xkeys_portable(logits.data() + s, stride, qf.data(), steps, tail_keys.data(), kPortableKeys);
+            s = slots;
+          }
         }
         for (int64_t j = 0; j < count; ++j) {
           const int64_t r = r0 + j, g = r / queries_per_row, i = r % queries_per_row;
