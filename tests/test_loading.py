@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from skipkey.core import embedded, loading  # noqa: E402
+from skipkey.core.tiny import byte_tokenizer  # noqa: E402
 from skipkey.errors import InputError, ModelLoadError  # noqa: E402
 from skipkey.core.embedded import cache_root, embedded_model_dir  # noqa: E402
 from skipkey.core.loading import (  # noqa: E402
@@ -204,6 +205,19 @@ def test_failed_conversion_leaves_nothing_behind(monkeypatch, tmp_path):
     with pytest.raises(ModelLoadError, match="disk full"):
         embedded_model_dir(tmp_path, progress=False)
     assert [p.suffix for p in tmp_path.iterdir()] == [".lock"]
+
+
+def test_the_converted_tokenizer_prepends_bos_once(tmp_path):
+    """transformers 5.20 builds the GGUF's tokenizer without <bos>; the dense copy's must prepend it."""
+    tokenizer = embedded._with_bos(byte_tokenizer())
+    bos = tokenizer.bos_token_id
+    plain = tokenizer("ab", add_special_tokens=False)["input_ids"]
+    assert tokenizer("ab")["input_ids"] == [bos, *plain]
+    assert tokenizer("ab", "c")["input_ids"][::len(plain) + 1] == [bos, bos]
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    assert reloaded("ab")["input_ids"] == [bos, *plain]
+    assert embedded._with_bos(reloaded)("ab")["input_ids"] == [bos, *plain]  # never a second <bos>
 
 
 # "The capital of France is" -> " the capital of the country of France." from the GGUF

@@ -2,11 +2,13 @@
 
 import hashlib
 import re
+import sys
 from collections import Counter
 
 import pytest
 
 from skipkey.errors import InputError
+from skipkey.quality.prompts import help_topics
 from skipkey.quality.retrieval import RETRIEVAL_FAMILIES, TABLE_COLUMNS, retrieval_tasks, retrieved
 from skipkey.core.tiny import byte_tokenizer
 
@@ -92,6 +94,14 @@ BEFORE_TABLE_GEMMA = {(512, 6, 0): "34a69cda4a2fe74b", (1024, 6, 0): "89714ca1b4
 
 
 OLD_FAMILIES = ("passkey", "kv", "name")
+
+
+@pytest.mark.skipif(sys.version_info[:3] != (3, 11, 7), reason="the stored help topics are CPython 3.11.7's")
+def test_the_stored_help_topics_are_those_of_the_python_the_results_were_measured_on():
+    """Every committed result was measured on 3.11.7's help topics; the stored copy keeps them on any Python."""
+    from pydoc_data.topics import topics
+
+    assert help_topics() == topics
 
 
 @pytest.mark.parametrize("length, count, seed", sorted(BEFORE_TABLE))

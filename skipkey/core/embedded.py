@@ -108,7 +108,7 @@ def _convert_embedded(target: Path, progress: bool) -> None:
             _say(progress, "  [1/5] assembling the GGUF from the installed package")
             gguf_path = gguf_package.assemble(work / "gguf" / gguf_package.MODEL_NAME)
             _say(progress, "  [2/5] building the tokenizer from the GGUF")
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            tokenizer = _with_bos(AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name))
             _say(progress, "  [3/5] dequantising the weights")
             gguf_model = AutoModelForCausalLM.from_pretrained(
                 gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
@@ -144,6 +144,21 @@ def _convert_embedded(target: Path, progress: bool) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _say(progress, f"Converted in {elapsed:.0f} s; later loads read {target}.")
+
+
+def _with_bos(tokenizer):
+    """``tokenizer``, prepending <bos> as Gemma 3 expects and the GGUF asks (``tokenizer.ggml.add_bos_token``).
+
+    transformers 5.20 (the newest on Python 3.10, a ZeroGPU Python) builds the GGUF's tokenizer without it;
+    this gives the post-processor 5.24 builds, so the dense copy's tokenizer.json is the same from either.
+    """
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    if tokenizer("a")["input_ids"][:1] != [bos_id]:
+        from tokenizers import processors
+
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+    return tokenizer
 
 
 def _save_dense(gguf_model, tokenizer, directory: Path) -> None:

@@ -1,17 +1,26 @@
-"""The prompts SkipKey measures and trains on, all generated in code or read from Python itself.
+"""The prompts SkipKey measures and trains on, all generated in code or read from Python's own text.
 
 * evaluation: ``ORDINARY_PROMPTS`` (held out from training), documents to
   continue and long real text for perplexity (all the long text is Python's help
-  topics, ``pydoc_data``); the retrieval tasks, built on the same help text, are
+  topics, ``help_topics``); the retrieval tasks, built on the same help text, are
   ``skipkey.quality.retrieval``;
 * training: ``training_prompts``, seeded and varied, never one of the held-out ones.
 """
 
 from __future__ import annotations
 
+import functools
+import gzip
+import json
 import random
+from pathlib import Path
 
 from skipkey.errors import InputError
+
+# CPython 3.11.7's pydoc_data.topics, with its source and licence: each Python release regenerates its help
+# topics (3.10's, 3.12's and later 3.11s' differ), so reading the running interpreter's would give another
+# Python other prompts, retrieval tasks and training text than the ones every committed result was measured on.
+HELP_TOPICS_FILE = Path(__file__).with_name("help_topics.json.gz")
 
 ORDINARY_PROMPTS = [
     "The history of the Roman Empire",
@@ -65,11 +74,17 @@ ORDINARY_PROMPTS = [
 ]
 
 
+@functools.lru_cache(maxsize=1)
+def help_topics() -> dict[str, str]:
+    """Python's help topics (``HELP_TOPICS_FILE``): topic name -> text, the same on every Python."""
+    with gzip.open(HELP_TOPICS_FILE, "rt", encoding="utf-8") as f:
+        return json.load(f)["topics"]
+
+
 # -- evaluation ---------------------------------------------------------------------------------
 def long_text_ids(tokenizer, tokens: int) -> list[int]:
-    """Real English prose: Python's help topics, concatenated (ships with Python)."""
-    from pydoc_data.topics import topics
-
+    """Real English prose: Python's help topics, concatenated."""
+    topics = help_topics()
     text = "\n\n".join(topics[k] for k in sorted(topics))
     return tokenizer(text, add_special_tokens=True)["input_ids"][:tokens]
 
@@ -77,13 +92,12 @@ def long_text_ids(tokenizer, tokens: int) -> list[int]:
 def document_prompts(tokenizer, count: int, tokens: int) -> list[str]:
     """``count`` ordinary documents cut to about ``tokens`` tokens each, to be continued.
 
-    Python's help topics (installed with Python), taken from the end of the list so
+    Python's help topics, taken from the end of the list so
     they do not overlap the long-text perplexity passage, which starts at its head.
     The KV budget is a share of the prompt, so agreement needs prompts long enough
     for a budget to mean something: 25% of a 10-token prompt keeps two tokens.
     """
-    from pydoc_data.topics import topics
-
+    topics = help_topics()
     long_enough = [topics[k] for k in sorted(topics, reverse=True) if len(topics[k]) >= 6 * tokens]
     if count > len(long_enough):
         raise InputError(f"at most {len(long_enough)} document prompts of {tokens} tokens exist here, asked {count}")
@@ -128,9 +142,8 @@ CODE_PROMPTS = [
 
 
 def _doc_passages() -> list[str]:
-    """Prose paragraphs of Python's help topics (``pydoc_data``, shipped with Python)."""
-    from pydoc_data.topics import topics
-
+    """Prose paragraphs of Python's help topics."""
+    topics = help_topics()
     passages = []
     for key in sorted(topics):
         for para in topics[key].split("\n\n"):
@@ -186,13 +199,13 @@ def _stdlib_sources() -> list[str]:
 def training_text(tokenizer, count: int, prompt_tokens: int, gen_tokens: int, seed: int = 0) -> list[list[int]]:
     """``count`` seeded windows of ``prompt_tokens + gen_tokens`` tokens of offline text, for training.
 
-    Alternately Python's help topics (prose, ``pydoc_data``) and the standard
+    Alternately Python's help topics (prose, ``help_topics``) and the standard
     library's source (code and docstrings), each window from a random place in a
     random document. None of it is a held-out prompt (``ORDINARY_PROMPTS``), which
-    are short everyday openings the standard library does not contain.
+    are short everyday openings the standard library does not contain. The source is
+    the running interpreter's, so the code windows (not the prose) differ between Pythons.
     """
-    from pydoc_data.topics import topics
-
+    topics = help_topics()
     rng = random.Random(seed)
     width = prompt_tokens + gen_tokens
     prose = [topics[k] for k in sorted(topics) if len(topics[k]) >= 8 * width]

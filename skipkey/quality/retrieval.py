@@ -3,7 +3,7 @@
 ``retrieval_tasks`` makes seeded tasks of a given prompt length, the families in
 turn (a pass key, one code among many, a person's name, a number in a table),
 each family at depths spread over ``RETRIEVAL_DEPTHS``; ``retrieved`` says whether
-a generation gives the answer. The filler is Python's help text (``pydoc_data``, shipped with Python).
+a generation gives the answer. The filler is Python's help text (``prompts.help_topics``).
 ``skipkey.quality.evaluate`` runs the tasks on every KV policy.
 """
 
@@ -76,7 +76,7 @@ class RetrievalTask:
 
 
 def _filler_sentences(rng: random.Random) -> list[str]:
-    """Python's help text (shipped with Python) as sentences, from a seeded start, wrapping around."""
+    """Python's help text as sentences, from a seeded start, wrapping around."""
     passages = list(dict.fromkeys(_doc_passages()))  # some help topics repeat a paragraph
     start = rng.randrange(len(passages))
     sentences = (s for p in passages[start:] + passages[:start] for s in re.split(r"(?<=[.!?])\s+", p))
