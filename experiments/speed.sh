@@ -97,27 +97,30 @@ $py --model embedded --dtype float32 --device-map auto --max-memory cpu:700MiB -
 }
 
 exact() {
-# Exact SkipDecode (issue 37): the tuned SkipDecode model drafts, the full model verifies; each setting in lockstep
-# beside the full model on the embedded model, batch 1 unless said: the 2x draft at k = 2, 3, 4 and adaptive (32k
-# draft head); the draft head's size at k = 3; a 1.5x and a constant 10-layer draft; batch 4. The acceptance on the
-# 48 validation prompts per draft depth, untimed: `bench --exact --acceptance-prompts 48` (docs/results/exact.md).
-ex="$py --exact --model embedded --adapter assets/skipdecode-lora --prompt-tokens 128 --max-new-tokens 64"
-$ex --skip-target 2 --draft-k 2 3 4 --draft-vocab 32768 --draft-adaptive 0.5 --repeats 3 --output $out/exact_b1.json
-$ex --skip-target 2 --draft-k 3 --draft-vocab 0 8192 65536 --repeats 3 --output $out/exact_b1_heads.json
-$ex --skip-target 1.5 --draft-k 3 --draft-vocab 32768 --repeats 3 --output $out/exact_b1_draft1.5.json
-$ex --skip-schedule constant --skip-layers 10 --draft-k 3 --draft-vocab 32768 --repeats 3 \
-    --output $out/exact_b1_constant10.json
-$ex --skip-target 2 --batch 4 --draft-k 3 --draft-vocab 32768 --repeats 2 --output $out/exact_b4.json
-# Larger shapes (random weights): their draft and verify costs measured, the acceptance taken from the embedded
-# model's batch-1 run at the same depth (EXACT_A, its measured agreement): a prediction, not a measurement.
-for model in opt-1.3b llama-mha-350m; do
-  $py --exact --model random:$model --skip-target 2 --batch 1 --prompt-tokens 128 --max-new-tokens 16 \
-      --draft-k 3 --draft-vocab 0 8192 --assume-acceptance "${EXACT_A:?set EXACT_A to the measured agreement}" \
-      --repeats 1 --warmup 0 --output $out/exact_predict_${model}.json
+# Exact SkipDecode on prompts people wrote (issue 43): Spec-Bench's questions (SPEC_BENCH, default
+# ../shared/data/spec_bench/question.jsonl; never copied here), whole requests, batch 1, 64 new tokens, EOS ignored,
+# every contender interleaved per prompt with model.generate, generate's prompt lookup and its early exit; the machine's
+# default dtype unless said. Settings are chosen on the validation half (odd ids) and only reported on the test half.
+spec=${SPEC_BENCH:-../shared/data/spec_bench/question.jsonl}
+ex="$py --model embedded --adapter assets/skipdecode-lora --prompts $spec --exact --max-new-tokens 64"
+# Validation: the draft length, the pace, prompt lookup (3 questions a category, one repeat).
+$ex --part validation --per-category 3 --repeats 1 --peer-lookup 3 10 --peer-early-exit \
+    --draft-k 3 4 6 --draft-pace measured --prompt-lookup on --output $out/exact_val_length.json
+$ex --part validation --per-category 3 --repeats 1 --peer-lookup --peer-early-exit \
+    --draft-k 3 --draft-pace fixed measured --prompt-lookup off --output $out/exact_val_pace.json
+# Validation: the draft's depth (a constant set of the most important layers against the 2x schedule) and its head.
+for layers in 6 8 10; do
+  $ex --part validation --per-category 3 --repeats 1 --peer-lookup --peer-early-exit --skip-schedule constant \
+      --skip-layers $layers --output $out/exact_val_layers$layers.json
 done
-# The Llama-7B shape, shorter (13.5 GB of bf16 weights: about 1.5 s a step on 2 cores), full head only.
-$py --exact --model random:llama-7b --skip-target 2 --batch 1 --prompt-tokens 64 --max-new-tokens 12 --draft-k 3 \
-    --draft-vocab 0 --assume-acceptance "$EXACT_A" --repeats 1 --warmup 0 --output $out/exact_predict_llama-7b.json
+$ex --part validation --per-category 3 --repeats 1 --peer-lookup --peer-early-exit \
+    --draft-vocab 16384 32768 65536 --output $out/exact_val_heads.json
+# Test: the default and the best validation setting, beside generate's own exact speedups, two repeats.
+$ex --part test --per-category 10 --repeats 2 --output $out/exact_specbench_test.json
+# float32, the default on a CPU without bf16 instructions (the issue's machine): the same, fewer questions.
+$ex --dtype float32 --part test --per-category 3 --repeats 2 --output $out/exact_specbench_test_float32.json
+# Exact mode as the page runs it, on the page's own example prompts, beside the full model.
+.venv/bin/python -m experiments.exact_page --repeats 3 --output $out/exact_page.json
 }
 
 blocks=("$@")

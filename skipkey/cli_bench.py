@@ -14,18 +14,22 @@ import time
 from pathlib import Path
 
 from skipkey.config import GenerationSettings, decode_steps, require_int
+from skipkey.errors import InputError
 from skipkey.kv.policies import KV_POLICIES
 from skipkey.options import (add_adapter_arg, add_exact_args, add_method_args, add_model_args, add_placement_args,
                              add_prompt_file_args, adapter_schedule_from, check_exact_early, check_methods_early,
                              exact_specs, kv_policy_from, methods_from, placement_from)
 from skipkey.skipdecode.plan import SkipDecodeSpec
 
+SYNTHETIC_TOKENS = 128  # a synthetic prompt's length where none is given
+
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="decode speed: generate vs engine full vs accelerated, interleaved")
     add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[128], help="synthetic prompts of these lengths")
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[SYNTHETIC_TOKENS],
+                   help="synthetic prompts of these lengths")
     add_prompt_file_args(p, "--prompts", "prompts people wrote instead: Spec-Bench / MT-bench JSONL (question_id, "
                                          "category, turns) or plain text (a prompt per line); whole requests, per "
                                          "category, against generate")
@@ -74,6 +78,9 @@ def cmd_bench(args) -> int:
     if args.prompts:
         from skipkey.quality.prompt_file import read_prompts
 
+        if args.batch != [1] or args.prompt_tokens != [SYNTHETIC_TOKENS]:
+            raise InputError("--prompts runs the file's prompts one at a time, as Spec-Bench does: drop --batch and "
+                             "--prompt-tokens (they size synthetic prompts)")
         prompt_file = read_prompts(args.prompts)  # every fault of the file, before any model is loaded
         return bench_prompts(args, settings, prompt_file, prompt_file.select(args.part, args.per_category,
                                                                                tuple(args.categories or ())))

@@ -446,6 +446,7 @@ def test_bench_reports_a_peer_the_model_refuses_instead_of_crashing(capsys, mode
 
 @pytest.mark.parametrize("argv, message", [
     (["--prompts", "/nowhere/q.jsonl"], "prompts file /nowhere/q.jsonl does not exist"),
+    (["--prompts", "QUESTIONS", "--batch", "4"], "one at a time"),
     (["--prompts", "QUESTIONS", "--categories", "poetry"], "has no category 'poetry'"),
 ])
 def test_bench_refuses_a_bad_prompts_file_before_loading_a_model(capsys, argv, message):
