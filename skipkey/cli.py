@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-sequences", type=int, default=0,
                    help="training sequences: windows of offline text (Python's help topics and standard library)")
     p.add_argument("--text-prompt-len", type=int, default=32, help="tokens of a text window before its continuation")
+    p.add_argument("--max-prompt-tokens", type=int, default=0, metavar="N",
+                   help="continue a longer training prompt from its last N tokens (with its BOS): bounds what a long "
+                        "document costs per training sequence (0 = whole prompts)")
     p.add_argument("--full-depth-share", type=float, default=0.0,
                    help="share of batches at full depth, so the tuned model's every-layer path stays the original's "
                         "(with --applies-at every-step)")

@@ -612,3 +612,13 @@ def test_ranked_per_prompt_each_sequence_skips_the_layers_its_own_prompt_ranks_l
     assert ranked[2] == [original.prompt_pass([data["prompt_ids"][r]]).importance for r in rows]
     assert len(set(ranked[2])) > 1, "the rows' rankings must differ, or this test proves nothing"
     assert len({tuple(map(tuple, sets)) for sets in ranked[2, "sets"]}) > 1
+
+
+def test_a_long_training_prompt_is_continued_from_its_bos_and_last_tokens():
+    from skipkey.training.data import _last_tokens
+
+    ids = list(range(100, 140))
+    assert _last_tokens(ids, 0) == ids and _last_tokens(ids, 40) == ids
+    assert _last_tokens(ids, 8) == [100] + ids[-7:]
+    with pytest.raises(InputError, match="max_prompt_tokens"):
+        FinetuneConfig(model="m", out="o", max_prompt_tokens=1)

@@ -35,7 +35,8 @@ def _data_path(loaded, cfg: FinetuneConfig) -> Path:
                      + ([cfg.text_sequences, cfg.text_prompt_len, TRAINING_TEXT_VERSION] if cfg.text_sequences else [])
                      + ([cfg.prompts, TRAIN_CATEGORIES_VERSION] if cfg.prompts == "categories" else [])
                      # a prompts file by its contents, wherever it lies
-                     + (["file", cfg.prompts_sha256, FILE_SELECTION_VERSION] if cfg.prompts_sha256 else []),
+                     + (["file", cfg.prompts_sha256, FILE_SELECTION_VERSION] if cfg.prompts_sha256 else [])
+                     + ([cfg.max_prompt_tokens] if cfg.max_prompt_tokens else []),
                      sort_keys=True)
     return cache_root() / "finetune" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
@@ -80,7 +81,8 @@ def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> di
                if cfg.text_sequences else [])
 
     def continuations(first):
-        ids = engine.encode(prompts[first:first + chunk], cfg.gen_len)
+        ids = [_last_tokens(p, cfg.max_prompt_tokens)
+               for p in engine.encode(prompts[first:first + chunk], cfg.gen_len)]
         steps = [event.tokens for event in engine.generate(ids, settings)]
         return {"prompt_ids": ids, "continuations": torch.tensor(steps).T}
 
@@ -112,6 +114,12 @@ def build_dataset(loaded, cfg: FinetuneConfig, log=print, chunk: int = 32) -> di
     shutil.rmtree(parts_dir, ignore_errors=True)
     log(f"data: {len(data['sources'])} sequences in {data['seconds'] / 60:.1f} min, cached in {path}")
     return data
+
+
+def _last_tokens(ids: list[int], keep: int) -> list[int]:
+    """A prompt's first token (its BOS) and its last ``keep - 1``: the context a continuation depends on most, at a
+    bounded cost per training sequence (``keep`` 0: the whole prompt)."""
+    return ids if not keep or len(ids) <= keep else ids[:1] + ids[len(ids) - keep + 1:]
 
 
 def _build_part(make, first: int, source: str, arch, gen_len: int, file: Path) -> dict:

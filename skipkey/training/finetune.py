@@ -312,6 +312,8 @@ def describe_run(run: _Run) -> dict:
                  "applies_at": cfg.applies_at, "min_skipped": cfg.min_skipped, "saved_dtype": cfg.save_dtype},
         "data": {"sequences": len(data["prompt_ids"]), "seed": cfg.seed,
                  "continuations": {"count": cfg.sequences, "prompts": run.prompts,
+                                   "prompt_tokens": (f"the last {cfg.max_prompt_tokens} (with the BOS)"
+                                                     if cfg.max_prompt_tokens else "whole prompts"),
                                    "text": f"the full model's greedy {cfg.gen_len} tokens (the engine, EOS ignored)"},
                  "text_windows": {"count": cfg.text_sequences, "prompt_tokens": cfg.text_prompt_len,
                                   "text": "skipkey.quality.prompts.training_text: Python's help topics and standard-library "
@@ -351,7 +353,8 @@ def main(args) -> int:
                          prompts_sha256=args.prompts_sha256, spec_bench=args.spec_bench,
                          overlap_check=args.overlap_check,
                          text_sequences=args.text_sequences,
-                         text_prompt_len=args.text_prompt_len, full_depth_share=args.full_depth_share,
+                         text_prompt_len=args.text_prompt_len, max_prompt_tokens=args.max_prompt_tokens,
+                         full_depth_share=args.full_depth_share,
                          applies_at=args.applies_at, min_skipped=args.min_skipped,
                          train_dtype=args.train_dtype, seed=args.seed, init_adapter=args.init_adapter,
                          shapes_from=args.shapes_from, save_dtype=args.save_dtype,

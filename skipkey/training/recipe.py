@@ -53,6 +53,7 @@ class FinetuneConfig:
     overlap_check: bool = True  # False (--no-overlap-check): a prompts file trains unchecked, and the adapter says so
     text_sequences: int = 0  # windows of offline text (help topics, stdlib source), the teacher's log-probs on them
     text_prompt_len: int = 32  # a text window's tokens before its continuation
+    max_prompt_tokens: int = 0  # a longer prompt is continued from its last tokens (with its BOS); 0 = whole prompts
     full_depth_share: float = 0.0  # share of batches run at full depth: keeps the tuned model's every-layer path
     applies_at: str = SKIPPING_STEPS  # where the delta applies: only at skipping steps, or at every step
     min_skipped: int = 1  # a skip-only adapter applies at steps that skip at least this many layers
@@ -81,6 +82,8 @@ class FinetuneConfig:
             raise InputError(f"sequences + text_sequences must be at least the batch size ({self.batch_size}), "
                              f"got {self.sequences} + {self.text_sequences}")
         require_int("text_prompt_len", self.text_prompt_len, 1, 4096)
+        if self.max_prompt_tokens:
+            require_int("max_prompt_tokens", self.max_prompt_tokens, 2, 1_000_000)
         require_float("full_depth_share", self.full_depth_share, 0.0, 1.0)
         if self.skip_policy not in LAYER_POLICIES:
             raise InputError(f"skip_policy must be one of {', '.join(LAYER_POLICIES)}, got {self.skip_policy!r}")
