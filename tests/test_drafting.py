@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from skipkey.skipdecode.drafting import MAX_WAIT, Calibration, FixedPace, MeasuredPace, PromptLookup, StepCosts
+from skipkey.skipdecode.drafting import (MAX_WAIT, Calibration, Experience, FixedPace, MeasuredPace, PromptLookup,
+                                         StepCosts)
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
@@ -34,12 +35,12 @@ def test_prompt_lookup_matches_a_brute_force_search():
         assert got == want
 
 
-def costs(plain=1.0, per_token=0.04, draft=0.35) -> StepCosts:
+def costs(plain=1.0, per_token=0.04, draft=0.35) -> Experience:
     measured = StepCosts()
     for q in range(1, 10):
         measured.observe_verify(q, plain * (1 + per_token * (q - 1)))
     measured.observe_draft(7, draft * plain)
-    return measured
+    return Experience(costs=measured)
 
 
 def test_step_costs_extrapolate_from_what_was_measured():
@@ -91,13 +92,38 @@ def test_drafting_stops_when_the_next_token_is_not_worth_its_cost():
 
 def test_lookup_proposals_are_taken_when_they_pay_and_cut_to_what_pays():
     pace = MeasuredPace(4, PromptLookup(), costs(), layers=18)
-    pace.first.value, pace.wait = 0.1, 5  # the SkipDecode draft is not paying here, and no probe is due
+    pace.draft.first.value, pace.wait = 0.1, 5  # the SkipDecode draft is not paying here, and no probe is due
     proposal = [((11, 12, 13, 14, 15, 16), 3)]
     cycle = pace.choose(cap=50, proposals=proposal, depth=7)
     assert cycle.source == "lookup" and cycle.tokens[0] == (11, 12, 13, 14, 15, 16)[: cycle.count]
     for _ in range(20):  # lookup that is never right: its rate falls until plain steps win
         pace.observe(cycle, [], accepted=0)
     assert pace.choose(cap=50, proposals=proposal, depth=7).source == "plain"
+
+
+def test_agreement_learns_the_first_token_and_the_run_after_it():
+    from skipkey.skipdecode.drafting import Agreement
+
+    source = Agreement(0.5, 0.5)
+    assert source.expected(3) == pytest.approx(0.5 + 0.25 + 0.125)
+    for _ in range(50):
+        source.observe(4, 4)  # every proposal copied whole
+    assert source.first.value > 0.99 and source.later.value > 0.99 and source.expected(4) > 3.9
+    before = source.later.value
+    source.observe(4, 0)  # the first token rejected: nothing after it was judged
+    assert source.first.value < 0.8 and source.later.value == before
+
+
+def test_what_a_run_learns_is_where_the_next_run_starts():
+    experience = costs()
+    pace = MeasuredPace(4, None, experience, layers=18)
+    for _ in range(30):
+        cycle = pace.choose(cap=50, proposals=None, depth=7)
+        if cycle.source == "layers":
+            pace.keep_drafting(1, 0.9)
+            pace.observe(cycle, [0.9], accepted=0)
+    later = MeasuredPace(4, None, experience, layers=18)
+    assert later.draft.first.value < 0.2 and later.calibration.chance(0.9) < 0.6  # from 0.6 and 0.95
 
 
 def test_calibration_learns_how_often_a_probability_is_right():
@@ -108,6 +134,9 @@ def test_calibration_learns_how_often_a_probability_is_right():
     assert calibration.chance(0.85) < 0.1
     calibration.observe([0.95, 0.95, 0.95], accepted=1)  # the third token was never judged
     assert calibration.seen.sum() == pytest.approx(10 * 4 + 200 + 2)
+    for _ in range(2000):  # old evidence is halved: a bin weighs at most CALIBRATION_MEMORY tokens
+        calibration.observe([0.85], accepted=1)
+    assert calibration.chance(0.85) > 0.9
 
 
 def test_the_fixed_pace_drafts_k_every_cycle():

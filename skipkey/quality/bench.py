@@ -295,10 +295,10 @@ def _exact_row(label: str, engine: Engine, ratios: list[float], pairs: list[tupl
     judged = sum(a.accepted + a.rejected for a in accepted)
     agreement = sum(a.accepted for a in accepted) / judged if judged else float("nan")
     step_s = statistics.median(e.seconds for full, _ in pairs for e in full.decode_events)
-    costs = [c for _, exact in pairs if (c := verify_costs(exact)) is not None]
+    costs = [c for _, exact in pairs if (c := verify_costs(exact, engine.exact.draft_k)) is not None]
     draft = statistics.median(c.draft_s for c in costs) / step_s if costs else None
     verify = statistics.median(c.verify_s for c in costs) / step_s if costs else None
-    k = max(c.verified for c in costs) - 1 if costs else 0
+    k = engine.exact.draft_k
     used = agreement if assume_acceptance is None else assume_acceptance
     predicted = speculative_speedup(used, k, draft, verify) if costs and used == used else None
     measured = statistics.median(ratios)

@@ -313,18 +313,22 @@ class VerifyCosts:
         return asdict(self)
 
 
-def verify_costs(trace: Trace) -> VerifyCosts | None:
+def verify_costs(trace: Trace, drafted: int | None = None) -> VerifyCosts | None:
     """From an exact run's verify steps: the SkipDecode model's drafting time per token it drafted, and the
-    verify forward's time (a step's time less its drafting) over the steps that verified the most tokens.
-    None for other runs, or when the SkipDecode model drafted nothing."""
+    verify forward's time (a step's time less its drafting) over the steps that drafted ``drafted`` tokens
+    (default, or where none did: the most any step drafted). None for other runs, or when the SkipDecode model
+    drafted nothing."""
     events = trace.events
     steps = [i for i, e in enumerate(events) if e.drafted is not None] + [len(events)]
-    cycles = [(events[a].drafted, events[a].draft_seconds, sum(e.seconds for e in events[a:b]),
-               events[a].draft_source) for a, b in zip(steps, steps[1:])]
-    by_layers = [(d, s) for d, s, _, source in cycles if source == "layers"]
-    drafted = sum(d for d, _ in by_layers)
-    if not drafted:
+    cycles = [(events[a].drafted, events[a].draft_seconds, sum(e.seconds for e in events[a:b]))
+              for a, b in zip(steps, steps[1:])]
+    # The layers' own draft steps (a confirmed lookup proposal adds tokens no layer drafted).
+    by_layers = [(len(events[a].draft_layers), events[a].draft_seconds) for a in steps[:-1]
+                 if events[a].draft_source == "layers"]
+    layer_steps = sum(d for d, _ in by_layers)
+    if not layer_steps:
         return None
-    most = max(d for d, _, _, _ in cycles)
-    return VerifyCosts(draft_s=sum(s for _, s in by_layers) / drafted,
-                       verify_s=float(np.median([t - s for d, s, t, _ in cycles if d == most])), verified=most + 1)
+    counts = {d for d, _, _ in cycles}
+    most = drafted if drafted in counts else max(counts)
+    return VerifyCosts(draft_s=sum(s for _, s in by_layers) / layer_steps,
+                       verify_s=float(np.median([t - s for d, s, t in cycles if d == most])), verified=most + 1)

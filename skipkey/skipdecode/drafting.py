@@ -33,12 +33,13 @@ import numpy as np
 MAX_WAIT = 16  # plain steps between probes, at most, after drafting stopped paying
 SMOOTHING = 0.3  # weight of the newest observation in the running means of costs and agreement
 BINS = 10  # calibration bins of the draft's probability
+CALIBRATION_MEMORY = 512  # judged tokens a calibration bin weighs at most
 
 
 @dataclass(frozen=True)
 class Cycle:
-    """One cycle's plan: ``source`` "layers" (the SkipDecode draft, up to ``count`` tokens), "lookup" (``tokens``,
-    one list per row) or "plain" (nothing drafted: one full step)."""
+    """One cycle's plan: ``source`` "layers" (the SkipDecode draft, up to ``count`` tokens; ``tokens``, if any, a
+    lookup proposal it may confirm), "lookup" (``tokens``, one list per row) or "plain" (nothing drafted)."""
 
     source: str
     count: int = 0
@@ -149,6 +150,8 @@ class Calibration:
     def observe(self, probabilities: list[float], accepted: int) -> None:
         for j, p in enumerate(probabilities[: accepted + 1]):
             b = min(int(p * BINS), BINS - 1)
+            if self.seen[b] >= CALIBRATION_MEMORY:  # halve old evidence, so the estimate keeps up with a new text
+                self.hits[b], self.seen[b] = self.hits[b] / 2, self.seen[b] / 2
             self.seen[b] += 1
             self.hits[b] += j < accepted
 
@@ -157,8 +160,10 @@ class FixedPace:
     """Draft ``k`` tokens with the SkipDecode model every cycle: the classic speculative loop (with ``lookup``,
     a lookup proposal of every row replaces the draft)."""
 
-    def __init__(self, k: int, lookup: PromptLookup | None, costs: StepCosts, layers: int):
-        self.k, self.lookup, self.costs, self.layers = k, lookup, costs, layers
+    def __init__(self, k: int, lookup: PromptLookup | None, experience: "Experience", layers: int):
+        self.k, self.lookup, self.layers = k, lookup, layers
+        self.experience = experience
+        self.costs = experience.costs
 
     def choose(self, cap: int, proposals, depth: int) -> Cycle:
         if cap <= 0:
@@ -174,6 +179,29 @@ class FixedPace:
         pass
 
 
+class Agreement:
+    """How often a source's proposals are accepted: its first token, and each later one once those before it were
+    (a run of agreement tends to go on: copying from the prompt, or a stretch the draft finds easy)."""
+
+    def __init__(self, first: float, later: float):
+        self.first, self.later = Rate(first), Rate(later)
+
+    def expected(self, count: int) -> float:
+        """Expected accepted tokens of a proposal of ``count``."""
+        f, g = self.first.value, self.later.value
+        return sum(f * g ** j for j in range(count))
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        self.first.observe(float(accepted > 0))
+        for j in range(1, min(accepted + 1, proposed)):  # the later tokens that were judged
+            self.later.observe(float(j < accepted))
+
+
+# Before anything is measured: a SkipDecode draft's first token is accepted about 60% of the time on the validation
+# half, later ones 80%; a lookup match of 3 tokens copies reliably, of 1 token rarely.
+LOOKUP_PRIORS = {1: 0.2, 2: 0.35, 3: 0.5}
+
+
 class MeasuredPace(FixedPace):
     """Draft only what is expected to pay, from the measured costs and acceptance (the module's docstring).
 
@@ -181,12 +209,11 @@ class MeasuredPace(FixedPace):
     verified up to ``lookup_cap`` tokens, as far as its expected gain pays for them.
     """
 
-    def __init__(self, k: int, lookup: PromptLookup | None, costs: StepCosts, layers: int, lookup_cap: int = 8):
-        super().__init__(k, lookup, costs, layers)
+    def __init__(self, k: int, lookup: PromptLookup | None, experience: "Experience", layers: int,
+                 lookup_cap: int = 8):
+        super().__init__(k, lookup, experience, layers)
         self.lookup_cap = lookup_cap
-        self.first = Rate(0.6)  # the chance a cycle's first drafted token is accepted
-        self.calibration = Calibration()
-        self.lookup_rates: dict[int, Rate] = {}  # per matched n-gram length: agreement of a proposed token
+        self.draft, self.calibration, self.lookups = experience.draft, experience.calibration, experience.lookups
         self.wait = 0  # plain (or lookup) cycles left before drafting is probed again
         self.pause = 1  # the wait set after the next layers cycle that accepts nothing
         self.depth = layers
@@ -201,55 +228,74 @@ class MeasuredPace(FixedPace):
         plain_s = self.costs.verify_s(1)
         options = [(1.0 / plain_s, PLAIN)]
         draft_s = self.costs.draft_s(depth, self.layers)
-        pays = self.first.value * plain_s > draft_s + self.costs.verify_s(2) - plain_s
+        pays = self.draft.first.value * plain_s > draft_s + self.costs.verify_s(2) - plain_s
         if pays or self.wait <= 0:
             # Valued at its best length; how far it really drafts, ``keep_drafting`` decides token by token.
-            rate = max(self._per_second(self.first.value, count, count * draft_s) for count in range(1, self.k + 1))
+            rate = max(self._per_second(self.draft, count, count * draft_s) for count in range(1, self.k + 1))
             options.append((rate if pays else float("inf"), Cycle("layers", min(self.k, cap))))  # a probe drafts
+        proposed = None
         if self.lookup is not None and proposals and all(p for p, _ in proposals):
-            options.append(self._lookup_option(_lookup_cycle(proposals, min(self.lookup_cap, cap))))
+            proposed = _lookup_cycle(proposals, min(self.lookup_cap, cap))
+            options.append(self._lookup_option(proposed))
         choice = max(options, key=lambda option: option[0])[1]
         if choice.source != "layers":
             self.wait -= 1
+        elif proposed is not None:  # the draft takes the proposal's rest for free where it starts the same way
+            choice = Cycle("layers", choice.count, proposed.tokens, proposed.ngram)
         return choice
+
+    def _lookup_source(self, ngram: int) -> Agreement:
+        if ngram not in self.lookups:
+            self.lookups[ngram] = Agreement(LOOKUP_PRIORS.get(ngram, max(LOOKUP_PRIORS.values())), 0.8)
+        return self.lookups[ngram]
 
     def _lookup_option(self, cycle: Cycle) -> tuple[float, Cycle]:
         """The proposal cut to the length with the best expected tokens per second, and that rate."""
-        rate = self.lookup_rates.setdefault(cycle.ngram, Rate(0.5)).value
-        best = max(range(1, cycle.count + 1), key=lambda length: self._per_second(rate, length, 0.0))
+        source = self._lookup_source(cycle.ngram)
+        best = max(range(1, cycle.count + 1), key=lambda length: self._per_second(source, length, 0.0))
         tokens = tuple(t[:best] for t in cycle.tokens)
-        return self._per_second(rate, best, 0.0), Cycle("lookup", best, tokens, cycle.ngram)
+        return self._per_second(source, best, 0.0), Cycle("lookup", best, tokens, cycle.ngram)
 
-    def _per_second(self, agreement: float, count: int, draft_s: float) -> float:
-        """Expected tokens per second of a cycle that drafts ``count`` tokens, each agreeing with ``agreement``."""
-        expected = sum(agreement ** j for j in range(1, count + 1))
-        return (1.0 + expected) / (draft_s + self.costs.verify_s(count + 1))
+    def _per_second(self, source: Agreement, count: int, draft_s: float) -> float:
+        """Expected tokens per second of a cycle that proposes ``count`` tokens from ``source``."""
+        return (1.0 + source.expected(count)) / (draft_s + self.costs.verify_s(count + 1))
 
     def keep_drafting(self, drafted: int, probability: float) -> bool:
         """After ``drafted`` tokens, the last with draft probability ``probability``: draft one more?
 
-        The next token survives if every drafted token so far does and it is accepted
-        itself; its chance is guessed as the last one's (agreement runs in stretches).
+        The drafted tokens survive with the product of their calibrated chances; the next
+        one is then accepted as often as later drafted tokens have been (``Agreement.later``).
         """
-        chance = self.calibration.chance(probability)
-        self.survival = (1.0 if drafted == 1 else self.survival) * chance
+        self.survival = (1.0 if drafted == 1 else self.survival) * self.calibration.chance(probability)
         if not self.costs.known:
             return True
         plain_s = self.costs.verify_s(1)
         extra = self.costs.verify_s(drafted + 2) - self.costs.verify_s(drafted + 1)
-        return self.survival * chance * plain_s > self.costs.draft_s(self.depth, self.layers) + extra
+        gain = self.survival * self.draft.later.value * plain_s
+        return gain > self.costs.draft_s(self.depth, self.layers) + extra
 
     def observe(self, cycle: Cycle, probabilities: list[float], accepted: int) -> None:
         """What the verify accepted of ``cycle`` (for a SkipDecode draft, its tokens' draft probabilities)."""
         if cycle.source == "layers":
-            self.calibration.observe(probabilities, accepted)
-            self.first.observe(float(accepted > 0))
+            drafted = len(probabilities)  # a confirmed lookup proposal may have added tokens the layers never drafted
+            self.calibration.observe(probabilities, min(accepted, drafted))
+            self.draft.observe(drafted, min(accepted, drafted))
             self.pause = 1 if accepted else min(2 * self.pause, MAX_WAIT)
             self.wait = self.pause
         elif cycle.source == "lookup":
-            rate = self.lookup_rates.setdefault(cycle.ngram, Rate(0.5))
-            for j in range(min(accepted + 1, cycle.count)):
-                rate.observe(float(j < accepted))
+            self._lookup_source(cycle.ngram).observe(cycle.count, accepted)
+
+
+@dataclass
+class Experience:
+    """What an engine's exact runs have measured so far, kept from request to request (as a server learns): the
+    costs, the draft's calibration, and how often each source's proposals are accepted. A run starts from it and
+    goes on learning; the running means follow a new text within a few cycles."""
+
+    costs: StepCosts = field(default_factory=StepCosts)
+    calibration: Calibration = field(default_factory=Calibration)
+    draft: Agreement = field(default_factory=lambda: Agreement(0.6, 0.8))
+    lookups: dict[int, Agreement] = field(default_factory=dict)  # per matched n-gram length
 
 
 def _lookup_cycle(proposals, cap: int) -> Cycle:
@@ -261,4 +307,5 @@ def _lookup_cycle(proposals, cap: int) -> Cycle:
 PACES = {"measured": MeasuredPace, "fixed": FixedPace}
 
 
-__all__ = ["Cycle", "FixedPace", "MeasuredPace", "PACES", "PLAIN", "PromptLookup", "StepCosts"]
+__all__ = ["Agreement", "Calibration", "Cycle", "Experience", "FixedPace", "MeasuredPace", "PACES", "PLAIN",
+           "PromptLookup", "StepCosts"]

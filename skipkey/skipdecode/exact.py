@@ -55,7 +55,7 @@ from skipkey.core.cache import KVCache
 from skipkey.core.gemm import linear_weight_rows
 from skipkey.errors import InputError
 from skipkey.skipdecode.draft_vocab import DEFAULT_DRAFT_VOCAB, token_ranking
-from skipkey.skipdecode.drafting import PACES, Cycle, PromptLookup, StepCosts
+from skipkey.skipdecode.drafting import PACES, Cycle, Experience, PromptLookup
 
 DRAFT_K_CAP = 16  # drafted tokens per verify step; beyond it the acceptance a^k makes more drafting pointless
 # A verify forward computes several positions in one matmul and can round a near-tie between the full model's two
@@ -151,8 +151,11 @@ class ExactDecoding:
         all_layers = tuple(range(num_layers))
         if _HEADS.get(engine) is None:  # once per engine: the ranking and the head's rows are no step's cost
             _HEADS[engine] = DraftHead(self._draft_ids(engine), engine.head_device)
-        costs = StepCosts()
-        pace = PACES[self.pace](self.draft_k, PromptLookup() if self.lookup else None, costs, num_layers)
+        experience = _EXPERIENCE.get(engine)
+        if experience is None:
+            experience = _EXPERIENCE[engine] = Experience()
+        costs = experience.costs
+        pace = PACES[self.pace](self.draft_k, PromptLookup() if self.lookup else None, experience, num_layers)
         texts = _Texts(batch, total_steps) if self.lookup else None
         run = _Run(engine, cache, plan, pace)
         next_pos = torch.tensor(batch.lengths, device=token.device)
@@ -201,15 +204,17 @@ class ExactDecoding:
         if cycle.source == "lookup":
             return torch.tensor(cycle.tokens, dtype=torch.long, device=feed.device), (), []
         if cycle.source == "layers":
-            return self.draft(run, feed, next_pos, step, cycle.count, live)
+            return self.draft(run, feed, next_pos, step, cycle, live)
         return torch.empty(feed.shape[0], 0, dtype=torch.long, device=feed.device), (), []
 
     @staticmethod
-    def draft(run: "_Run", token, positions, step: int, k: int, live: list[bool]
+    def draft(run: "_Run", token, positions, step: int, cycle: Cycle, live: list[bool]
               ) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...], list[float]]:
-        """Up to ``k`` greedy tokens from the SkipDecode model, its cache entries taken back afterwards; the pace
-        may stop it earlier. Token ``step + j`` is fed through ``E(step + j - 1)``, as plain SkipDecode would."""
-        engine, cache, plan = run.engine, run.cache, run.plan
+        """Up to ``cycle.count`` greedy tokens from the SkipDecode model, its cache entries taken back afterwards;
+        the pace may stop it earlier. Token ``step + j`` is fed through ``E(step + j - 1)``, as plain SkipDecode
+        would. Where the cycle carries a lookup proposal (``cycle.tokens``) and the draft so far is its start, the
+        rest of the proposal is taken as the draft's continuation, at no cost (the two agree: copying goes on)."""
+        engine, cache, plan, k = run.engine, run.cache, run.plan, cycle.count
         head = _HEADS[engine]  # made by ``decode`` before its first draft
         num_layers = engine.full_arch.num_layers
         written = [0] * num_layers
@@ -229,6 +234,10 @@ class ExactDecoding:
             drafted.append(token)
             layer_sets.append(layers)
             probabilities.append(float(confidence[rows].min()) if bool(rows.any()) else 1.0)
+            rest = _confirmed_rest(cycle.tokens, drafted, rows)
+            if rest is not None:
+                drafted += list(rest.T)
+                break
             if j + 1 < k and not run.pace.keep_drafting(j + 1, probabilities[-1]):
                 break
         for layer, count in zip(cache.layers, written):
@@ -283,6 +292,19 @@ class _Run:
     plan: object
     pace: object
 _HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # each engine's draft head, built on first use
+_EXPERIENCE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # each engine's measured costs and acceptance
+
+
+def _confirmed_rest(proposal: tuple[tuple[int, ...], ...], drafted: list[torch.Tensor], live: torch.Tensor
+                    ) -> torch.Tensor | None:
+    """The rest of a lookup ``proposal`` (``[B, n]``) where every live row's draft so far is its start, else None."""
+    if not proposal or len(proposal[0]) <= len(drafted):
+        return None
+    guess = torch.tensor(proposal, dtype=torch.long, device=drafted[0].device)
+    so_far = torch.stack(drafted, dim=1)
+    if not bool((so_far == guess[:, :len(drafted)]).all(dim=1)[live].all()):
+        return None
+    return guess[:, len(drafted):]
 
 
 class _Texts:
