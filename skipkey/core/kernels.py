@@ -30,6 +30,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 SWITCH = "SKIPKEY_KERNELS"  # "0": always the eager path (for comparisons and A/B benchmarks)
+# The instruction set the kernels are built for: this CPU's own, or an older one's (e.g. x86-64-v3, AVX2 without
+# AVX-512), to measure here the path a CPU without AVX-512 takes.
+MARCH = "SKIPKEY_KERNELS_MARCH"
 DTYPES = (torch.float32, torch.bfloat16)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
           "-fno-signed-zeros"]
@@ -52,9 +55,12 @@ def _cpu_tag() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _built():
+    march = os.environ.get(MARCH, "native")
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in _FLAGS]
+    tag = _cpu_tag() if march == "native" else hashlib.sha256(march.encode()).hexdigest()[:8]
     try:
         from torch.utils.cpp_extension import load
-        return load(name=f"skipkey_decode_step_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=_FLAGS,
+        return load(name=f"skipkey_decode_step_{tag}", sources=[str(SOURCE)], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no ninja, a read-only cache: the eager path serves
         log.warning("SkipKey's fused CPU kernels are unavailable (%s); using the eager path", error)
