@@ -71,10 +71,18 @@ scoring="h2o keyformer tova snapkv keyformer:observe=8,pool=7"
 for dtype in float32 bfloat16; do
   for model in random:llama-mha-350m embedded; do
     $py --model $model --dtype $dtype --prompt-tokens 2048 4096 --max-new-tokens 16 --batch 1 --warmup 1 \
-        --repeats 3 --no-generate --compare-kv $scoring --kv-budget 0.5 \
+        --repeats 2 --no-generate --compare-kv $scoring --kv-budget 0.5 \
         --output $out/bench_kv_prompt_${model#random:}_$dtype.json
   done
 done
+# The same in float32 on the two other paths: the kernels built for AVX2 without AVX-512 (the CPU), and the
+# eager code (a GPU, no compiler, SKIPKEY_KERNELS=0).
+SKIPKEY_KERNELS_MARCH=x86-64-v3 $py --model random:llama-mha-350m --dtype float32 --prompt-tokens 2048 4096 \
+    --max-new-tokens 16 --batch 1 --warmup 1 --repeats 2 --no-generate --compare-kv $scoring --kv-budget 0.5 \
+    --output $out/bench_kv_prompt_llama-mha-350m_float32_avx2.json
+SKIPKEY_KERNELS=0 $py --model random:llama-mha-350m --dtype float32 --prompt-tokens 2048 4096 \
+    --max-new-tokens 16 --batch 1 --warmup 1 --repeats 2 --no-generate --compare-kv $scoring --kv-budget 0.5 \
+    --output $out/bench_kv_prompt_llama-mha-350m_float32_eager.json
 # Eviction's own gain: each policy in lockstep beside `window:budget=1.0` (the same kernel, nothing evicted), both
 # from one recorded prompt pass, three runs of 32 decode steps; the ratio-of-ratios above is too noisy at batch 8.
 for batch in 1 8; do for tokens in 2048 4096; do
