@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     engine = Engine(tuned, skip=skip, exact=ExactDecoding(args.k, pace="fixed", lookup=False))
     settings = GenerationSettings(max_new_tokens=64, ignore_eos=True)
     Trace.collect(engine, [ids[0][:16]], GenerationSettings(max_new_tokens=4, ignore_eos=True))  # builds the head
-    head = exact_module._HEADS[engine] = RecordingHead(exact_module._HEADS[engine])
+    head = exact_module.wrap_draft_head(engine, RecordingHead)
     all_cycles = []
     for record, prompt_ids in zip(used, ids):
         head.seconds.clear()

@@ -388,7 +388,7 @@ def test_the_default_draft_head_is_the_measured_best_where_the_vocabulary_is_lar
     from skipkey.skipdecode.draft_vocab import DEFAULT_DRAFT_VOCAB
 
     auto = ExactDecoding()
-    assert (auto.draft_k, auto.pace, auto.lookup, auto.draft_vocab) == (4, "measured", True, None)
+    assert (auto.draft_k, auto.pace, auto.lookup, auto.draft_vocab) == (3, "measured", True, None)
     assert auto.draft_rows(262_144) == DEFAULT_DRAFT_VOCAB == 32768
     assert auto.draft_rows(259) == 0  # a tiny model keeps its full head rather than being refused
     assert ExactDecoding(draft_vocab=0).draft_rows(262_144) == 0

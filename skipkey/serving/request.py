@@ -44,10 +44,10 @@ MAX_NEW_TOKENS_UI = 512
 DRAFT_VOCAB_TOKENS = DEFAULT_DRAFT_VOCAB
 DRAFT_HEADS: Mapping[str, int] = MappingProxyType({"full head": 0,
                                                    f"{DRAFT_VOCAB_TOKENS:,} most frequent tokens": DRAFT_VOCAB_TOKENS})
-# Measured (docs/results/exact.md, exact_b1*.json): k = 3 with the 32k-token head is the fastest setting (1.52x the
-# full model); k = 2..4 stay above 1.3x and the full head at k = 3 at 1.07x, while a long draft costs more than the
-# rejected tokens it saves, so the page offers k up to 4 only.
-DEFAULT_DRAFT_K = 3
+# Chosen on Spec-Bench's validation half (docs/results/exact.md, exact_val_length.json): k <= 3 with the 32k-token
+# head and prompt lookup was the fastest (1.79x generate, bf16); k <= 4 and k <= 6 measured 1.72x, so the page offers
+# k up to 4 only.
+DEFAULT_DRAFT_K = ExactDecoding.draft_k
 DEFAULT_DRAFT_HEAD = f"{DRAFT_VOCAB_TOKENS:,} most frequent tokens"
 APP_DRAFT_K_MAX = 4
 

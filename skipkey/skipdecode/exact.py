@@ -78,7 +78,7 @@ class ExactDecoding:
     model has more tokens than that, else the full head.
     """
 
-    draft_k: int = 4
+    draft_k: int = 3  # chosen on Spec-Bench's validation half (docs/results/exact.md, exact_val_length.json)
     pace: str = "measured"
     lookup: bool = True
     draft_vocab: int | None = None
@@ -293,6 +293,17 @@ class _Run:
     pace: object
 _HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # each engine's draft head, built on first use
 _EXPERIENCE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # each engine's measured costs and acceptance
+
+
+def wrap_draft_head(engine, wrapper):
+    """Replace ``engine``'s draft head (built by its first exact run) by ``wrapper(head)``; returns the new head.
+
+    For instruments that time or record the draft's head (experiments/tree_gain.py), never for serving.
+    """
+    if _HEADS.get(engine) is None:
+        raise ValueError("the engine has no draft head yet: run one exact generation first")
+    _HEADS[engine] = wrapper(_HEADS[engine])
+    return _HEADS[engine]
 
 
 def _confirmed_rest(proposal: tuple[tuple[int, ...], ...], drafted: list[torch.Tensor], live: torch.Tensor
