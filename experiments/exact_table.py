@@ -1,13 +1,18 @@
 """The tables of docs/results/exact.md, from the JSON that ``bash experiments/speed.sh exact`` and
-``bench --exact --acceptance-prompts 48`` write.
+``bench --exact --acceptance-prompts 48`` write; with file names, the per-category tables of ``bench --prompts``
+runs (Spec-Bench's validation or test half) instead.
 
     python -m experiments.exact_table
+    python -m experiments.exact_table exact_specbench_test.json
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+from skipkey.quality.prompt_bench import format_tables
 
 RESULTS = Path(__file__).resolve().parents[1] / "assets" / "results"
 SPEED_FILES = ("exact_b1.json", "exact_b1_heads.json", "exact_b1_draft1.5.json", "exact_b1_constant10.json",
@@ -56,7 +61,19 @@ def speed_table(files=SPEED_FILES, predicted: bool = False) -> str:
     return "\n".join(lines)
 
 
+def prompt_bench_tables(name: str) -> str:
+    """The per-category tables ``bench --prompts`` printed, with the run's command, dtype, machine and date."""
+    record = json.loads((RESULTS / name).read_text())
+    head = (f"`{record['command']}`\n\n{record['model']}, {record['dtype'].replace('torch.', '')}, "
+            f"{record['machine']}, {record['date']}; {record['part']} half, {len(record['prompts'])} prompts, "
+            f"{record['max_new_tokens']} new tokens, median of {record['repeats']} interleaved runs.")
+    return head + "\n\n" + format_tables(record, list(record["contenders"]))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:]:
+        print("\n\n".join(prompt_bench_tables(name) for name in sys.argv[1:]))
+        raise SystemExit(0)
     print(acceptance_table(), end="\n\n")
     print(speed_table(), end="\n\n")
     print(speed_table(PREDICTION_FILES, predicted=True))

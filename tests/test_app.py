@@ -839,11 +839,17 @@ def test_exact_mode_shows_no_differing_token_and_its_acceptance(handlers):
 def test_the_exact_preset_quotes_the_exact_bench_or_says_it_is_not_measured(tmp_path):
     preset = presets.PRESETS["SkipDecode exact (verified)"]
     assert "not measured yet" in presets.preset_cost(preset, results_dir=tmp_path)
-    row = dict(variant="k=3", exact=preset.exact.describe(), speedup_vs_full=1.37, acceptance=0.61,
-               tokens_per_verify_step=2.25)
-    (tmp_path / presets.EXACT_BENCH_FILE).write_text(json.dumps(dict(batch=1, exact=[row])))
+    label = preset.exact.label()
+
+    def cell(vs_full):
+        return {label: dict(vs_full=vs_full, vs_generate=vs_full * 1.25, tokens_per_verify_step=2.25)}
+    record = dict(dtype="torch.float32", overall=dict(prompts=26, contenders=cell(1.37)),
+                  categories=[dict(category="coding", contenders=cell(1.5)),
+                              dict(category="translation", contenders=cell(1.04))])
+    (tmp_path / presets.EXACT_BENCH_FILE).write_text(json.dumps(record))
     line = presets.preset_cost(preset, results_dir=tmp_path)
     assert "1.37x" in line and "2.25 tokens per verify step" in line and presets.EXACT_BENCH_FILE in line
+    assert "26 Spec-Bench test prompts in float32" in line and "translation, 1.04x" in line
     request = build_request(6, dataclasses.replace(Controls(layer_policy="top"), **preset.changes))
     assert request.exact == preset.exact and request.kv is None and not request.settings.do_sample
 

@@ -51,6 +51,25 @@ def test_step_costs_extrapolate_from_what_was_measured():
     measured.observe_verify(1, 1.0)
     assert measured.verify_s(7) == pytest.approx(1.0 + 6 * 0.04)  # now the measured slope
     assert measured.draft_s(7, 18) == pytest.approx(0.3 + 0.7 * 7 / 18)  # no draft yet: a share of a plain step
+    measured.observe_verify(9, 1.3)  # the cost need not be linear: between measured counts, the larger one's
+    assert measured.verify_s(2) == 1.12 and measured.verify_s(5) == 1.3
+    assert measured.verify_s(11) == pytest.approx(1.3 + 2 * (1.3 - 1.12) / 5)
+
+
+def test_probes_that_are_accepted_but_do_not_pay_come_less_and_less_often():
+    measured = StepCosts()
+    for q, seconds in ((1, 1.0), (2, 1.9), (4, 2.1)):  # a second verified token costs most of a plain step
+        measured.observe_verify(q, seconds)
+    measured.observe_draft(7, 0.3)
+    pace = MeasuredPace(4, None, Experience(costs=measured), layers=18)
+    probes = []
+    for step in range(400):
+        cycle = pace.choose(cap=50, proposals=None, depth=7)
+        if cycle.source == "layers":
+            probes.append(step)
+            pace.keep_drafting(1, 0.9)
+            pace.observe(cycle, [0.9], accepted=1)  # accepted, yet 2 tokens for 2.2 steps' time
+    assert len(probes) < 40 and list(np.diff(probes)[-5:]) == [MAX_WAIT + 1] * 5
 
 
 def test_a_draft_that_is_never_accepted_falls_back_to_plain_steps_and_probes_less_and_less():
@@ -70,9 +89,12 @@ def test_a_draft_that_is_never_accepted_falls_back_to_plain_steps_and_probes_les
 def test_a_draft_that_is_always_accepted_keeps_drafting_at_full_length():
     pace = MeasuredPace(4, None, costs(), layers=18)
     lengths = []
+    plain = 0
     for _ in range(50):
         cycle = pace.choose(cap=50, proposals=None, depth=7)
-        assert cycle.source == "layers"
+        if cycle.source != "layers":  # a plain step now and then keeps its cost measured
+            plain += 1
+            continue
         drafted = 0
         for j in range(1, cycle.count + 1):
             drafted = j
@@ -80,7 +102,7 @@ def test_a_draft_that_is_always_accepted_keeps_drafting_at_full_length():
                 break
         pace.observe(cycle, [0.95] * drafted, accepted=drafted)
         lengths.append(drafted)
-    assert lengths[-10:] == [4] * 10
+    assert lengths[-10:] == [4] * 10 and plain == 50 // (MAX_WAIT + 1)
 
 
 def test_drafting_stops_when_the_next_token_is_not_worth_its_cost():

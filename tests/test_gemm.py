@@ -1,4 +1,5 @@
-"""The weight-streaming product for a few rows gives ``nn.Linear``'s result, and is used only where it may be."""
+"""The weight-streaming product for a few rows gives ``nn.Linear``'s result, is used only where it may be, and
+only where it measured faster."""
 
 import copy
 
@@ -6,9 +7,17 @@ import pytest
 import torch
 from torch import nn
 
+from skipkey.core import gemm
 from skipkey.core.gemm import MAX_ROWS, MIN_WEIGHT_ELEMENTS, linear_rows, linear_weight_rows, streams_weight
 
 OUT, IN = MIN_WEIGHT_ELEMENTS // 64, 64
+
+
+@pytest.fixture(autouse=True)
+def always_stream(monkeypatch, request):
+    """These tests check the streamed product where it is eligible, whichever this machine measures faster."""
+    if "measure" not in request.node.name:
+        monkeypatch.setenv(gemm.SWITCH, "stream")
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +53,33 @@ def test_only_large_float32_cpu_layers_with_few_rows_stream(big_linear):
     assert not streams_weight(hooked, 1)
     hidden = torch.randn(MAX_ROWS + 1, IN)
     assert torch.equal(linear_rows(big_linear, hidden), big_linear(hidden))
+
+
+@pytest.mark.parametrize("faster", ["stream", "linear"])
+def test_measure_picks_the_faster_product_once_for_one_row_and_once_for_more(big_linear, monkeypatch, faster):
+    monkeypatch.setattr(gemm, "_MEASURED", {})
+    calls = []
+
+    def fake_fastest(product):  # which product it is shows in what it calls
+        calls.append(product)
+        return 1.0 if (len(calls) == 2) == (faster == "stream") else 2.0
+    monkeypatch.setattr(gemm, "_fastest", fake_fastest)
+    assert streams_weight(big_linear, 3) == (faster == "stream")
+    assert streams_weight(big_linear, 3) == (faster == "stream") and len(calls) == 2  # remembered, not re-measured
+    streams_weight(big_linear, 4)
+    assert len(calls) == 2  # two rows or more: one measurement stands for all
+    streams_weight(big_linear, 1)
+    assert len(calls) == 4  # one row is measured on its own
+    hidden = torch.randn(3, IN)
+    torch.testing.assert_close(linear_rows(big_linear, hidden), big_linear(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_the_switch_forces_one_product_and_refuses_other_values(big_linear, monkeypatch):
+    monkeypatch.setattr(gemm, "_fastest", lambda product: pytest.fail("a forced choice measures nothing"))
+    monkeypatch.setenv(gemm.SWITCH, "linear")
+    assert not streams_weight(big_linear, 2)
+    monkeypatch.setenv(gemm.SWITCH, "stream")
+    assert streams_weight(big_linear, 2)
+    monkeypatch.setenv(gemm.SWITCH, "fastest")
+    with pytest.raises(ValueError, match="SKIPKEY_HEAD_GEMM must be one of measure, stream, linear"):
+        streams_weight(big_linear, 2)

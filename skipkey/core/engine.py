@@ -35,6 +35,7 @@ from transformers import (
 from skipkey.core.architectures import get_architecture
 from skipkey.core.attention import StepState, replay_prompt
 from skipkey.core.cache import EMPTY, KVCache
+from skipkey.core.gemm import measure_module
 from skipkey.core.importance import layer_importance
 from skipkey.core.retention import Appending, Retention
 from skipkey.config import GenerationSettings, validate_prompt_ids
@@ -119,6 +120,7 @@ class Engine:
         # The prompt pass, and steps that skip fewer than ``min_skipped`` layers, run these weights; ``arch``'s
         # run the others (they differ only for a skip-only adapter, ``LoadedModel.full_depth``).
         self.full_arch = self.arch if loaded.full_depth is None else get_architecture(loaded.full_depth)
+        measure_module(self.full_arch.model.lm_head)  # once per process and head shape: never a timed step's cost
         self.min_skipped = loaded.min_skipped
         self.skip = skip
         self.kv = kv

@@ -102,17 +102,26 @@ class StepCosts:
         return bool(self.verify)
 
     def verify_s(self, tokens: int) -> float:
-        """A verify forward over ``tokens``: measured, else from the nearest measured count."""
+        """A verify forward over ``tokens``: measured; else, between measured counts, the next larger one's (a
+        forward over more tokens costs no less, and the cost need not grow linearly: on a CPU without AVX2 the
+        second token costs a full head read more than the first, the ones after little); else extrapolated
+        from the two largest measured counts (from a prior slope before a second one)."""
         if tokens in self.verify:
             return self.verify[tokens]
-        nearest = min(self.verify, key=lambda q: (abs(q - tokens), q))
-        plain = self.verify[nearest] / (1 + self.per_token * (nearest - 1))
-        slope = self.per_token * plain
-        if 1 in self.verify and len(self.verify) > 1:  # two counts measured: their own slope
-            far = max(q for q in self.verify if q != 1)
-            slope = max(0.0, (self.verify[far] - self.verify[1]) / (far - 1))
-            plain = self.verify[1]
-        return plain + slope * (tokens - 1)
+        below = sorted(q for q in self.verify if q < tokens)
+        above = [q for q in self.verify if q > tokens]
+        if below and above:
+            return self.verify[min(above)]
+        if not below:
+            nearest = min(above)
+            plain = self.verify[nearest] / (1 + self.per_token * (nearest - 1))
+            return plain * (1 + self.per_token * (tokens - 1))
+        top = below[-1]
+        if len(below) > 1:
+            slope = max(0.0, (self.verify[top] - self.verify[below[-2]]) / (top - below[-2]))
+        else:
+            slope = self.per_token * self.verify[top] / (1 + self.per_token * (top - 1))
+        return self.verify[top] + slope * (tokens - top)
 
     def draft_s(self, depth: int, layers: int) -> float:
         """A draft step of ``depth`` layers (of ``layers``): measured, else scaled from another depth or, before
@@ -126,8 +135,11 @@ class StepCosts:
 
 
 def _smooth(table: dict[int, float], key: int, seconds: float) -> None:
+    """A running estimate of a cost that follows a lower time faster than a higher one: interference only ever
+    adds time, so a fast observation is the better evidence (and a cold first call is soon forgotten)."""
     old = table.get(key)
-    table[key] = seconds if old is None else old + SMOOTHING * (seconds - old)
+    weight = SMOOTHING if old is None or seconds >= old else 1 - SMOOTHING
+    table[key] = seconds if old is None else old + weight * (seconds - old)
 
 
 class Calibration:
@@ -218,6 +230,7 @@ class MeasuredPace(FixedPace):
         self.pause = 1  # the wait set after the next layers cycle that accepts nothing
         self.depth = layers
         self.survival = 1.0
+        self.since_plain = 0  # cycles since the last plain step
 
     def choose(self, cap: int, proposals, depth: int) -> Cycle:
         if cap <= 0:
@@ -225,10 +238,17 @@ class MeasuredPace(FixedPace):
         self.depth = depth
         if not self.costs.known:  # the first cycle drafts: it is how the costs and the acceptance are first seen
             return Cycle("layers", min(self.k, cap))
+        self.since_plain += 1
+        if self.since_plain > MAX_WAIT or 1 not in self.costs.verify:
+            # The other probe: a plain step now and then keeps its cost, which every choice is set against,
+            # measured (drafting that always pays would otherwise never see it again).
+            self.since_plain = 0
+            self.wait -= 1
+            return PLAIN
         plain_s = self.costs.verify_s(1)
         options = [(1.0 / plain_s, PLAIN)]
         draft_s = self.costs.draft_s(depth, self.layers)
-        pays = self.draft.first.value * plain_s > draft_s + self.costs.verify_s(2) - plain_s
+        pays = self._draft_pays()
         if pays or self.wait <= 0:
             # Valued at its best length; how far it really drafts, ``keep_drafting`` decides token by token.
             rate = max(self._per_second(self.draft, count, count * draft_s) for count in range(1, self.k + 1))
@@ -238,11 +258,20 @@ class MeasuredPace(FixedPace):
             proposed = _lookup_cycle(proposals, min(self.lookup_cap, cap))
             options.append(self._lookup_option(proposed))
         choice = max(options, key=lambda option: option[0])[1]
+        if choice is PLAIN:
+            self.since_plain = 0
         if choice.source != "layers":
             self.wait -= 1
         elif proposed is not None:  # the draft takes the proposal's rest for free where it starts the same way
             choice = Cycle("layers", choice.count, proposed.tokens, proposed.ngram)
         return choice
+
+    def _draft_pays(self) -> bool:
+        """Whether one drafted token is expected to gain more than it costs: its chance of acceptance times a
+        plain step, against a draft step at the current depth and one more token in the verify forward."""
+        plain_s = self.costs.verify_s(1)
+        cost = self.costs.draft_s(self.depth, self.layers) + self.costs.verify_s(2) - plain_s
+        return self.draft.first.value * plain_s > cost
 
     def _lookup_source(self, ngram: int) -> Agreement:
         if ngram not in self.lookups:
@@ -280,7 +309,9 @@ class MeasuredPace(FixedPace):
             drafted = len(probabilities)  # a confirmed lookup proposal may have added tokens the layers never drafted
             self.calibration.observe(probabilities, min(accepted, drafted))
             self.draft.observe(drafted, min(accepted, drafted))
-            self.pause = 1 if accepted else min(2 * self.pause, MAX_WAIT)
+            # A probe that accepted something but still does not pay (a CPU whose verify forward grows fast with
+            # its tokens) waits longer too, as one that accepted nothing does.
+            self.pause = 1 if accepted and self._draft_pays() else min(2 * self.pause, MAX_WAIT)
             self.wait = self.pause
         elif cycle.source == "lookup":
             self._lookup_source(cycle.ngram).observe(cycle.count, accepted)
