@@ -94,16 +94,23 @@ def prompt_pass_table() -> None:
     """The scored prompt pass in float32 and bfloat16 side by side: TTFT (s, and vs full with the runs' range)
     and decode vs full, per model, prompt and policy."""
     rows: dict[tuple, dict[str, dict]] = {}
+    places: dict[str, str] = {}
     for path in sorted(HERE.glob(PROMPT_PASS)):
+        # The column: the file name's tail after the model (``float32``, ``float32_avx``, ``float32_eager``), which
+        # names the dtype and the path; the JSON's own dtype must agree.
+        column = "_".join(path.stem.split("_")[4:])
         for run in json.loads(path.read_text()):
+            assert column.startswith(dtype_of(run)), f"{path.name} holds a {dtype_of(run)} run"
+            places[column] = f"{run['machine'].split(', torch')[0]}, {run['date']}"
             prompt = run["prompt_tokens"] if isinstance(run["prompt_tokens"], int) else run["prompt_tokens"][0]
             for row in run["rows"]:
                 key = (run["model"], row.get("prompt", prompt), policy_name(row["variant"]))
-                rows.setdefault(key, {})[dtype_of(run)] = row if run["repeats"] > 1 else {**row, "ttft_range": None,
-                                                                                      "speedup_range": None}
+                rows.setdefault(key, {})[column] = row if run["repeats"] > 1 else {**row, "ttft_range": None,
+                                                                                  "speedup_range": None}
     if not rows:
         return
     dtypes = sorted({d for by_dtype in rows.values() for d in by_dtype})
+    print("\n" + "; ".join(f"{d}: {places[d]}" for d in dtypes))
     print("\n| model | prompt | policy | " + " | ".join(f"{d}: TTFT s | TTFT vs full | decode vs full" for d in dtypes)
           + " |")
     print("|---|---|---|" + "---|---|---|" * len(dtypes))

@@ -68,11 +68,13 @@ $py --model embedded $bf16 --prompt-tokens 2048 4096 --max-new-tokens 32 --batch
 # query-aware Keyformer, beside the full model, batch 1, at 2k and 4k, float32 and bfloat16 (each JSON names its
 # dtype; python -m experiments.kv_table shows them side by side).
 scoring="h2o keyformer tova snapkv keyformer:observe=8,pool=7"
+# The native build's widest vectors name the file: avx512, avx2 or avx (AVX without AVX2: no 256-bit integers).
+isa=avx; grep -qw avx2 /proc/cpuinfo && isa=avx2; grep -qw avx512f /proc/cpuinfo && isa=avx512
 for dtype in float32 bfloat16; do
   for model in random:llama-mha-350m embedded; do
     $py --model $model --dtype $dtype --prompt-tokens 2048 4096 --max-new-tokens 16 --batch 1 --warmup 1 \
         --repeats 2 --no-generate --compare-kv $scoring --kv-budget 0.5 \
-        --output $out/bench_kv_prompt_${model#random:}_$dtype.json
+        --output $out/bench_kv_prompt_${model#random:}_${dtype}_$isa.json
   done
 done
 # The same in float32 on the two other paths: the kernels built for AVX2 without AVX-512 (the CPU), and the

@@ -23,6 +23,18 @@ from skipkey.skipdecode.plan import SkipDecodeSpec
 
 SYNTHETIC_TOKENS = 128  # a synthetic prompt's length where none is given
 
+PEER_LOOKUP = [3]  # transformers' prompt lookup, as its docs suggest trying first
+PEER_EARLY_EXIT = [9]  # transformers' self-speculative early exit at half the embedded model's depth
+
+
+def peers(values: list[int], default: list[int]) -> list[int]:
+    """A peer flag's values: given alone (``--peer-lookup``) it means its default; 0 drops the peer."""
+    if not values:
+        return list(default)
+    if any(v < 0 for v in values) or (0 in values and len(values) > 1):
+        raise InputError(f"a peer's values are positive, or a single 0 for none; got {values}")
+    return [] if values == [0] else list(values)
+
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="decode speed: generate vs engine full vs accelerated, interleaved")
@@ -33,10 +45,12 @@ def add_bench_parser(sub) -> None:
     add_prompt_file_args(p, "--prompts", "prompts people wrote instead: Spec-Bench / MT-bench JSONL (question_id, "
                                          "category, turns) or plain text (a prompt per line); whole requests, per "
                                          "category, against generate")
-    p.add_argument("--peer-lookup", type=int, nargs="*", default=[3], metavar="N",
-                   help="with --prompts --exact: also time generate(prompt_lookup_num_tokens=N) for each N")
-    p.add_argument("--peer-early-exit", type=int, nargs="*", default=[9], metavar="LAYER",
-                   help="with --prompts --exact: also time generate(assistant_early_exit=LAYER) for each LAYER")
+    p.add_argument("--peer-lookup", type=int, nargs="*", default=PEER_LOOKUP, metavar="N",
+                   help="with --prompts --exact: also time generate(prompt_lookup_num_tokens=N) for each N "
+                        f"(default, and the flag alone: {PEER_LOOKUP[0]}; 0: none)")
+    p.add_argument("--peer-early-exit", type=int, nargs="*", default=PEER_EARLY_EXIT, metavar="LAYER",
+                   help="with --prompts --exact: also time generate(assistant_early_exit=LAYER) for each LAYER "
+                        f"(default, and the flag alone: {PEER_EARLY_EXIT[0]}; 0: none)")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -81,6 +95,8 @@ def cmd_bench(args) -> int:
         if args.batch != [1] or args.prompt_tokens != [SYNTHETIC_TOKENS]:
             raise InputError("--prompts runs the file's prompts one at a time, as Spec-Bench does: drop --batch and "
                              "--prompt-tokens (they size synthetic prompts)")
+        args.peer_lookup = peers(args.peer_lookup, PEER_LOOKUP)  # bad values refused before any model work
+        args.peer_early_exit = peers(args.peer_early_exit, PEER_EARLY_EXIT)
         prompt_file = read_prompts(args.prompts)  # every fault of the file, before any model is loaded
         return bench_prompts(args, settings, prompt_file, prompt_file.select(args.part, args.per_category,
                                                                                tuple(args.categories or ())))

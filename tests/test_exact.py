@@ -478,3 +478,13 @@ def test_a_divergence_within_rounding_is_marked_a_numerical_tie(tiny_models):
         trace.events[5] = dataclasses.replace(flipped, margin=(margin,))
         text = agreement_summary(full, trace, lm.tokenizer)
         assert "first divergence at token 5" in text and ("numerical tie" in text) is tie
+
+
+def test_a_peer_flag_alone_means_its_default_and_zero_drops_it():
+    from skipkey.cli_bench import PEER_EARLY_EXIT, PEER_LOOKUP, peers
+
+    assert peers([], PEER_EARLY_EXIT) == PEER_EARLY_EXIT == [9] and peers([], PEER_LOOKUP) == [3]
+    assert peers([3, 10], PEER_LOOKUP) == [3, 10] and peers([0], PEER_LOOKUP) == []
+    for bad in ([-1], [0, 3]):
+        with pytest.raises(InputError, match="a peer's values are positive, or a single 0 for none"):
+            peers(bad, PEER_LOOKUP)

@@ -149,11 +149,16 @@ class ExactDecoding:
         total_steps = events.settings.max_new_tokens
         num_layers = engine.full_arch.num_layers
         all_layers = tuple(range(num_layers))
-        if _HEADS.get(engine) is None:  # once per engine: the ranking and the head's rows are no step's cost
-            _HEADS[engine] = DraftHead(self._draft_ids(engine), engine.head_device)
-        experience = _EXPERIENCE.get(engine)
+        # Once per model, not per engine (the page builds an engine per request): the draft head's ranking and rows
+        # are no step's cost, and what the pace measured carries over to the model's next request.
+        heads = _HEADS.setdefault(engine.model, {})
+        rows = self.draft_rows(engine.full_arch.model.lm_head.weight.shape[0])
+        if rows not in heads:
+            heads[rows] = DraftHead(self._draft_ids(engine), engine.head_device)
+        _ENGINE_HEADS[engine] = heads[rows]
+        experience = _EXPERIENCE.get(engine.model)
         if experience is None:
-            experience = _EXPERIENCE[engine] = Experience()
+            experience = _EXPERIENCE[engine.model] = Experience()
         costs = experience.costs
         pace = PACES[self.pace](self.draft_k, PromptLookup() if self.lookup else None, experience, num_layers)
         texts = _Texts(batch, total_steps) if self.lookup else None
@@ -215,7 +220,7 @@ class ExactDecoding:
         would. Where the cycle carries a lookup proposal (``cycle.tokens``) and the draft so far is its start, the
         rest of the proposal is taken as the draft's continuation, at no cost (the two agree: copying goes on)."""
         engine, cache, plan, k = run.engine, run.cache, run.plan, cycle.count
-        head = _HEADS[engine]  # made by ``decode`` before its first draft
+        head = _ENGINE_HEADS[engine]  # chosen by ``decode`` before its first draft
         num_layers = engine.full_arch.num_layers
         written = [0] * num_layers
         drafted, layer_sets, probabilities = [], [], []
@@ -291,8 +296,15 @@ class _Run:
     cache: KVCache
     plan: object
     pace: object
-_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # each engine's draft head, built on first use
-_EXPERIENCE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # each engine's measured costs and acceptance
+_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per model: its draft heads by row count
+_ENGINE_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # the draft head each engine drafts with
+_EXPERIENCE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per model: measured costs and acceptance
+
+
+def engine_experience(engine) -> Experience:
+    """What ``engine``'s exact runs have measured so far (costs, calibration, acceptance): for instruments
+    (experiments/exact_costs.py); a new engine's is empty."""
+    return _EXPERIENCE.get(engine.model) or Experience()
 
 
 def wrap_draft_head(engine, wrapper):
@@ -300,10 +312,12 @@ def wrap_draft_head(engine, wrapper):
 
     For instruments that time or record the draft's head (experiments/tree_gain.py), never for serving.
     """
-    if _HEADS.get(engine) is None:
+    if _ENGINE_HEADS.get(engine) is None:
         raise ValueError("the engine has no draft head yet: run one exact generation first")
-    _HEADS[engine] = wrapper(_HEADS[engine])
-    return _HEADS[engine]
+    old = _ENGINE_HEADS[engine]
+    heads = _HEADS[engine.model]
+    new = heads[next(rows for rows, head in heads.items() if head is old)] = _ENGINE_HEADS[engine] = wrapper(old)
+    return new
 
 
 def _confirmed_rest(proposal: tuple[tuple[int, ...], ...], drafted: list[torch.Tensor], live: torch.Tensor
@@ -363,7 +377,8 @@ class DraftHead:
 
     def __init__(self, ids: torch.Tensor | None, device):
         self.ids = None if ids is None else ids.to(device)
-        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # per architecture (tuned or full)
+        # per LM head module (the tuned model's or the full one's), so an engine per request adds nothing
+        self.rows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def __call__(self, arch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's draft token and its draft probability (over the head's rows), for ``hidden`` ``[B, D]``."""
@@ -377,11 +392,11 @@ class DraftHead:
         return best if self.ids is None else self.ids[best], torch.exp(top - torch.logsumexp(logits, dim=-1))
 
     def _rows(self, arch):
-        found = self.rows.get(id(arch))
+        head = arch.model.lm_head
+        found = self.rows.get(head)
         if found is None:
-            head = arch.model.lm_head
-            found = self.rows[id(arch)] = (head.weight[self.ids].contiguous(),
-                                           None if head.bias is None else head.bias[self.ids].contiguous())
+            found = self.rows[head] = (head.weight[self.ids].contiguous(),
+                                       None if head.bias is None else head.bias[self.ids].contiguous())
         return found
 
 
