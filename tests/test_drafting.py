@@ -43,6 +43,18 @@ def costs(plain=1.0, per_token=0.04, draft=0.35) -> Experience:
     return Experience(costs=measured)
 
 
+def probe_steps(pace: MeasuredPace, accepted: int, steps: int = 400) -> list[int]:
+    """The cycles at which ``pace`` drafted, each draft one token whose verify accepted ``accepted``."""
+    probes = []
+    for step in range(steps):
+        cycle = pace.choose(cap=50, proposals=None, depth=7)
+        if cycle.source == "layers":
+            probes.append(step)
+            pace.keep_drafting(1, 0.9)
+            pace.observe(cycle, [0.9], accepted=accepted)
+    return probes
+
+
 def test_step_costs_extrapolate_from_what_was_measured():
     measured = StepCosts()
     measured.observe_verify(4, 1.12)
@@ -61,26 +73,12 @@ def test_probes_that_are_accepted_but_do_not_pay_come_less_and_less_often():
     for q, seconds in ((1, 1.0), (2, 1.9), (4, 2.1)):  # a second verified token costs most of a plain step
         measured.observe_verify(q, seconds)
     measured.observe_draft(7, 0.3)
-    pace = MeasuredPace(4, None, Experience(costs=measured), layers=18)
-    probes = []
-    for step in range(400):
-        cycle = pace.choose(cap=50, proposals=None, depth=7)
-        if cycle.source == "layers":
-            probes.append(step)
-            pace.keep_drafting(1, 0.9)
-            pace.observe(cycle, [0.9], accepted=1)  # accepted, yet 2 tokens for 2.2 steps' time
+    probes = probe_steps(MeasuredPace(4, None, Experience(costs=measured), layers=18), accepted=1)  # 2 tokens, 2.2 steps
     assert len(probes) < 40 and list(np.diff(probes)[-5:]) == [MAX_WAIT + 1] * 5
 
 
 def test_a_draft_that_is_never_accepted_falls_back_to_plain_steps_and_probes_less_and_less():
-    pace = MeasuredPace(4, None, costs(), layers=18)
-    probes = []
-    for step in range(400):
-        cycle = pace.choose(cap=50, proposals=None, depth=7)
-        if cycle.source == "layers":
-            probes.append(step)
-            pace.keep_drafting(1, 0.9)
-            pace.observe(cycle, [0.9], accepted=0)
+    probes = probe_steps(MeasuredPace(4, None, costs(), layers=18), accepted=0)
     gaps = np.diff(probes)
     assert len(probes) < 60  # mostly plain steps
     assert gaps.max() == MAX_WAIT + 1 and list(gaps[-5:]) == [MAX_WAIT + 1] * 5
