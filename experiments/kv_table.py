@@ -98,7 +98,7 @@ def prompt_pass_table() -> None:
     for path in sorted(HERE.glob(PROMPT_PASS)):
         # The column: the file name's tail after the model (``float32``, ``float32_avx``, ``float32_eager``), which
         # names the dtype and the path; the JSON's own dtype must agree.
-        column = "_".join(path.stem.split("_")[4:])
+        column = re.sub(r"^bench_kv_prompt_[^_]+_", "", path.stem)
         for run in json.loads(path.read_text()):
             assert column.startswith(dtype_of(run)), f"{path.name} holds a {dtype_of(run)} run"
             places[column] = f"{run['machine'].split(', torch')[0]}, {run['date']}"
