@@ -113,8 +113,7 @@ class Engine:
     """
 
     def __init__(self, loaded, skip=None, kv=None, exact=None):
-        self.loaded = loaded
-        self.model = loaded.model
+        self.loaded, self.model = loaded, loaded.model
         self.tokenizer = loaded.tokenizer
         self.arch = get_architecture(loaded.model)
         # The prompt pass, and steps that skip fewer than ``min_skipped`` layers, run these weights; ``arch``'s
@@ -122,8 +121,7 @@ class Engine:
         self.full_arch = self.arch if loaded.full_depth is None else get_architecture(loaded.full_depth)
         measure_module(self.full_arch.model.lm_head)  # once per process and head shape: never a timed step's cost
         self.min_skipped = loaded.min_skipped
-        self.skip = skip
-        self.kv = kv
+        self.skip, self.kv = skip, kv
         if skip is not None:
             skip.validate(self.arch.num_layers)
         eos = self.model.generation_config.eos_token_id

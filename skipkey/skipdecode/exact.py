@@ -149,16 +149,7 @@ class ExactDecoding:
         total_steps = events.settings.max_new_tokens
         num_layers = engine.full_arch.num_layers
         all_layers = tuple(range(num_layers))
-        # Once per model, not per engine (the page builds an engine per request): the draft head's ranking and rows
-        # are no step's cost, and what the pace measured carries over to the model's next request.
-        heads = _HEADS.setdefault(engine.model, {})
-        rows = self.draft_rows(engine.full_arch.model.lm_head.weight.shape[0])
-        if rows not in heads:
-            heads[rows] = DraftHead(self._draft_ids(engine), engine.head_device)
-        _ENGINE_HEADS[engine] = heads[rows]
-        experience = _EXPERIENCE.get(engine.model)
-        if experience is None:
-            experience = _EXPERIENCE[engine.model] = Experience()
+        experience = self._model_state(engine)
         costs = experience.costs
         pace = PACES[self.pace](self.draft_k, PromptLookup() if self.lookup else None, experience, num_layers)
         texts = _Texts(batch, total_steps) if self.lookup else None
@@ -273,6 +264,17 @@ class ExactDecoding:
         if self.draft_vocab is None:
             return DEFAULT_DRAFT_VOCAB if vocab > DEFAULT_DRAFT_VOCAB else 0
         return self.draft_vocab
+
+    def _model_state(self, engine) -> Experience:
+        """The engine's draft head and what the pace has measured, kept once per model, not per engine (the page
+        builds an engine per request): the head's ranking and rows are no step's cost, and what the pace measured
+        carries over to the model's next request."""
+        heads = _HEADS.setdefault(engine.model, {})
+        rows = self.draft_rows(engine.full_arch.model.lm_head.weight.shape[0])
+        if rows not in heads:
+            heads[rows] = DraftHead(self._draft_ids(engine), engine.head_device)
+        _ENGINE_HEADS[engine] = heads[rows]
+        return _EXPERIENCE.setdefault(engine.model, Experience())
 
     def _draft_ids(self, engine) -> torch.Tensor | None:
         vocab = engine.full_arch.model.lm_head.weight.shape[0]
