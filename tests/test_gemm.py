@@ -83,3 +83,13 @@ def test_the_switch_forces_one_product_and_refuses_other_values(big_linear, monk
     monkeypatch.setenv(gemm.SWITCH, "fastest")
     with pytest.raises(ValueError, match="SKIPKEY_HEAD_GEMM must be one of measure, stream, linear"):
         streams_weight(big_linear, 2)
+
+
+def test_measuring_leaves_the_global_random_state_alone(big_linear, monkeypatch):
+    monkeypatch.setattr(gemm, "_MEASURED", {})
+    monkeypatch.setattr(gemm, "MEASURE_REPEATS", 1)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    gemm.streaming_is_faster(big_linear.weight, 2)
+    assert torch.equal(torch.rand(3), expected)

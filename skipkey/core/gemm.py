@@ -87,7 +87,9 @@ def streaming_is_faster(weight: torch.Tensor, rows: int) -> bool:
     key = (measured_rows, *weight.shape, torch.get_num_threads())
     with _LOCK:
         if key not in _MEASURED:
-            hidden = torch.randn(measured_rows, weight.shape[1], dtype=weight.dtype)
+            # Its own generator: measuring must not move the global random state a seeded run depends on.
+            hidden = torch.randn(measured_rows, weight.shape[1], dtype=weight.dtype,
+                                 generator=torch.Generator().manual_seed(0))
             with torch.inference_mode():
                 linear = _fastest(lambda: torch.nn.functional.linear(hidden, weight))
                 streamed = _fastest(lambda: streamed_product(hidden, weight, None))
