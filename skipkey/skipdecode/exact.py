@@ -304,8 +304,8 @@ _EXPERIENCE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per mo
 
 
 def engine_experience(engine) -> Experience:
-    """What ``engine``'s exact runs have measured so far (costs, calibration, acceptance): for instruments
-    (experiments/exact_costs.py); a new engine's is empty."""
+    """What the exact runs on ``engine``'s model have measured so far (costs, calibration, acceptance), kept per
+    model: for instruments (experiments/exact_costs.py); empty before the model's first exact run."""
     return _EXPERIENCE.get(engine.model) or Experience()
 
 
